@@ -1,0 +1,40 @@
+"""anyio-native ZeroMQ transport: one async socket type plus endpoint helpers.
+
+Public names:
+
+* :class:`AsyncSocket` wraps and owns a ``zmq.Socket`` for trio, asyncio and uvloop
+  (through anyio). Receive with :meth:`~AsyncSocket.receive_batch` (the main path) or
+  :meth:`~AsyncSocket.receive`; send with :meth:`~AsyncSocket.send`,
+  :meth:`~AsyncSocket.send_nowait`, :meth:`~AsyncSocket.send_many` or
+  :meth:`~AsyncSocket.send_tracked` plus :func:`wait_tracker`. Options only through
+  :meth:`~AsyncSocket.get_option` / :meth:`~AsyncSocket.set_option`.
+* :func:`tcp_endpoint`, :func:`normalize_endpoint`, :func:`is_ipv6_endpoint`,
+  :class:`PrivateIpcDir`: endpoint strings.
+
+This layer knows sockets and the event loop, nothing about vLLM. See
+``docs/transport.md`` for the design and the cancellation contract.
+"""
+
+from __future__ import annotations
+
+from ._endpoints import PrivateIpcDir as PrivateIpcDir
+from ._endpoints import is_ipv6_endpoint as is_ipv6_endpoint
+from ._endpoints import normalize_endpoint as normalize_endpoint
+from ._endpoints import tcp_endpoint as tcp_endpoint
+from ._socket import DEFAULT_COPY_THRESHOLD as DEFAULT_COPY_THRESHOLD
+from ._socket import AsyncSocket as AsyncSocket
+from ._socket import InFrame as InFrame
+from ._socket import OutFrame as OutFrame
+from ._socket import wait_tracker as wait_tracker
+
+__all__ = [
+    "DEFAULT_COPY_THRESHOLD",
+    "AsyncSocket",
+    "InFrame",
+    "OutFrame",
+    "PrivateIpcDir",
+    "is_ipv6_endpoint",
+    "normalize_endpoint",
+    "tcp_endpoint",
+    "wait_tracker",
+]
