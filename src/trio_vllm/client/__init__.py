@@ -1,0 +1,32 @@
+"""The structured-concurrency client: :func:`open_client`, engine sources, streams.
+
+Public names are re-exported from :mod:`trio_vllm`.
+"""
+
+from __future__ import annotations
+
+from ._client import EngineCoreClient as EngineCoreClient
+from ._client import StartupProgress as StartupProgress
+from ._client import open_client as open_client
+from ._engines import EngineSource as EngineSource
+from ._engines import ExternalEngines as ExternalEngines
+from ._engines import ReferenceEngines as ReferenceEngines
+from ._engines import VllmEngines as VllmEngines
+from ._prepare import make_request as make_request
+from ._prepare import new_request_id as new_request_id
+from ._prepare import prepare_sampling_params as prepare_sampling_params
+from ._streams import RequestStream as RequestStream
+
+__all__ = [
+    "EngineCoreClient",
+    "EngineSource",
+    "ExternalEngines",
+    "ReferenceEngines",
+    "RequestStream",
+    "StartupProgress",
+    "VllmEngines",
+    "make_request",
+    "new_request_id",
+    "open_client",
+    "prepare_sampling_params",
+]

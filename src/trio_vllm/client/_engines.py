@@ -1,0 +1,309 @@
+"""Where engines come from: the bundled reference engine, stock vLLM, or elsewhere.
+
+An engine source tells :func:`~trio_vllm.open_client` three things: which ranks to
+expect, how to lay out the sockets (ipc in a private directory, or TCP on a host),
+and how to start the processes once the handshake socket is bound. The client owns
+everything else (binding, the handshake, watching and stopping the processes).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from ._process import EngineProcess, spawn_engine_process
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+__all__ = ["EngineSource", "ExternalEngines", "ReferenceEngines", "VllmEngines"]
+
+_HEADLESS_ENTRY_POINT = Path(__file__).with_name("_vllm_headless.py")
+
+
+@dataclass(frozen=True, slots=True)
+class SocketLayout:
+    """How the client binds its sockets for a source.
+
+    ``handshake_bind``: where to bind the handshake ROUTER; ``None`` means an ipc path
+    in the client's private directory. ``data_host``: ``None`` binds input/output on
+    ipc; otherwise TCP, bound at ``data_bind_host`` port 0 and advertised with
+    ``data_host``.
+    """
+
+    handshake_bind: str | None
+    data_host: str | None
+    data_bind_host: str | None
+    expect_local: bool | None
+    expect_headless: bool | None
+
+
+class EngineSource:
+    """Base class of the engine sources; see the subclasses.
+
+    ``count`` engines with the consecutive data-parallel ranks ``start_rank`` upward.
+    """
+
+    count: int
+    start_rank: int
+
+    def __init__(self, count: int, start_rank: int) -> None:
+        if count < 1:
+            raise ValueError(f"count must be at least 1, got {count}")
+        if start_rank < 0:
+            raise ValueError(f"start_rank must be >= 0, got {start_rank}")
+        self.count = count
+        self.start_rank = start_rank
+
+    @property
+    def ranks(self) -> list[int]:
+        """The data-parallel ranks (= routing identities) of the engines."""
+        return list(range(self.start_rank, self.start_rank + self.count))
+
+    def layout(self) -> SocketLayout:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    async def spawn(self, handshake_address: str) -> list[EngineProcess]:
+        """Start the engine processes; they connect to ``handshake_address``.
+
+        Returns the spawned processes (none for external engines). If starting a
+        later one fails, the earlier ones are stopped before the error propagates.
+        """
+        return []
+
+    def describe(self) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def startup_hint(self) -> str:
+        """A sentence on what to try when startup times out."""
+        return "Raise ready_timeout if the engines are just slow to load."
+
+
+async def _spawn_all(
+    commands: Sequence[tuple[str, Sequence[int], Sequence[str]]],
+    env: Mapping[str, str] | None,
+) -> list[EngineProcess]:
+    processes: list[EngineProcess] = []
+    try:
+        for name, ranks, command in commands:
+            processes.append(await spawn_engine_process(command, name=name, ranks=ranks, env=env))
+    except BaseException:
+        for process in processes:
+            await process.stop(grace=0)
+        raise
+    return processes
+
+
+class ReferenceEngines(EngineSource):
+    """Spawn the bundled reference engine (``python -m trio_vllm.reference_engine``).
+
+    A real engine-core process that speaks the protocol over real sockets, one
+    process per rank, doing the headless handshake.
+
+    Args:
+        count: number of engines (ranks ``start_rank`` ...).
+        model: reference model name (``"echo"`` or ``"tiny"``).
+        device: torch device for models that use torch (``"cpu"``, ``"cuda"``).
+        faults: extra fault-injection arguments passed verbatim (see
+            ``python -m trio_vllm.reference_engine --help``).
+        protocol: vLLM version whose wire layout the engine speaks (``None``: default).
+        extra_args: more command-line arguments, verbatim.
+        python: the interpreter to run it with (default: this one).
+        env: environment variables added for the engine processes.
+        transport: ``"ipc"`` (default) or ``"tcp"`` (loopback) for all sockets.
+    """
+
+    def __init__(
+        self,
+        count: int = 1,
+        *,
+        model: str = "echo",
+        device: str | None = None,
+        faults: Sequence[str] = (),
+        protocol: str | None = None,
+        extra_args: Sequence[str] = (),
+        python: str | None = None,
+        env: Mapping[str, str] | None = None,
+        transport: Literal["ipc", "tcp"] = "ipc",
+        start_rank: int = 0,
+    ) -> None:
+        super().__init__(count, start_rank)
+        self.model = model
+        self.device = device
+        self.faults = list(faults)
+        self.protocol = protocol
+        self.extra_args = list(extra_args)
+        self.python = python or sys.executable
+        self.env = dict(env or {})
+        self.transport = transport
+
+    def layout(self) -> SocketLayout:
+        if self.transport == "tcp":
+            return SocketLayout("tcp://127.0.0.1:0", "127.0.0.1", "127.0.0.1", False, True)
+        return SocketLayout(None, None, None, False, True)
+
+    def command(self, handshake_address: str, rank: int) -> list[str]:
+        """The command line that starts the engine of ``rank``."""
+        cmd = [
+            self.python,
+            "-m",
+            "trio_vllm.reference_engine",
+            "--handshake-address",
+            handshake_address,
+            "--index",
+            str(rank),
+            "--model",
+            self.model,
+        ]
+        if self.device is not None:
+            cmd += ["--device", self.device]
+        if self.protocol is not None:
+            cmd += ["--protocol", self.protocol]
+        return cmd + self.faults + self.extra_args
+
+    async def spawn(self, handshake_address: str) -> list[EngineProcess]:
+        return await _spawn_all(
+            [
+                (f"reference engine {rank}", [rank], self.command(handshake_address, rank))
+                for rank in self.ranks
+            ],
+            self.env,
+        )
+
+    def describe(self) -> str:
+        return f"{self.count} reference engine(s) (model {self.model!r}, ranks {self.ranks})"
+
+
+class VllmEngines(EngineSource):
+    """Spawn stock vLLM engine cores in headless mode with another python.
+
+    Runs ``PYTHON <bundled entry point> --model MODEL --data-parallel-address 127.0.0.1
+    --data-parallel-rpc-port PORT [extra_args]``, the code path of ``vllm serve MODEL
+    --headless``. The given python needs vLLM; this process does not.
+
+    Args:
+        model: model path or name, as for ``vllm serve``.
+        python: an interpreter with vLLM installed.
+        extra_args: more ``vllm serve`` arguments (``--dtype``, ``--max-model-len``, ...).
+        count: engines to start (one launcher with ``--data-parallel-size-local``).
+        env: environment added for the launcher (e.g. ``VLLM_CPU_KVCACHE_SPACE``).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        python: str,
+        extra_args: Sequence[str] = (),
+        count: int = 1,
+        start_rank: int = 0,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(count, start_rank)
+        self.model = model
+        self.python = python
+        self.extra_args = list(extra_args)
+        self.env = dict(env or {})
+
+    def layout(self) -> SocketLayout:
+        # Headless engines always reach the handshake over TCP (§2.3).
+        return SocketLayout("tcp://127.0.0.1:0", "127.0.0.1", "127.0.0.1", False, True)
+
+    def command(self, handshake_address: str) -> list[str]:
+        """The launcher's command line for a handshake ``tcp://HOST:PORT``."""
+        host, port = _split_tcp(handshake_address)
+        cmd = [
+            self.python,
+            str(_HEADLESS_ENTRY_POINT),
+            "--model",
+            self.model,
+            "--data-parallel-address",
+            host,
+            "--data-parallel-rpc-port",
+            str(port),
+        ]
+        if self.count > 1 or self.start_rank > 0:
+            cmd += [
+                "--data-parallel-size",
+                str(self.start_rank + self.count),
+                "--data-parallel-size-local",
+                str(self.count),
+                "--data-parallel-start-rank",
+                str(self.start_rank),
+            ]
+        return cmd + self.extra_args
+
+    async def spawn(self, handshake_address: str) -> list[EngineProcess]:
+        name = f"vLLM headless launcher ({self.python})"
+        return await _spawn_all([(name, self.ranks, self.command(handshake_address))], self.env)
+
+    def describe(self) -> str:
+        return f"{self.count} vLLM engine(s) for {self.model!r} (python {self.python})"
+
+    def startup_hint(self) -> str:
+        return (
+            "vLLM can take minutes to load and compile; raise ready_timeout, and check "
+            "that the python has vLLM and the model path exists."
+        )
+
+
+class ExternalEngines(EngineSource):
+    """Wait for engines started elsewhere (e.g. on other hosts).
+
+    Binds ``handshake_address`` (``tcp://HOST:PORT``) and waits for ``count`` engines
+    started with ``vllm serve MODEL --headless --data-parallel-address HOST
+    --data-parallel-rpc-port PORT`` (plus ``--data-parallel-start-rank`` for ranks
+    other than 0). Input and output sockets are bound on ``bind_host`` (default: the
+    handshake host) at kernel-chosen ports and advertised as ``advertise_host``
+    (default: the handshake host; required when that is a wildcard); engines must be
+    able to reach them. Nothing is spawned, so nothing is stopped at exit; an engine
+    that dies is noticed through ``ENGINE_CORE_DEAD`` or a call deadline only.
+    """
+
+    def __init__(
+        self,
+        handshake_address: str,
+        count: int = 1,
+        *,
+        start_rank: int = 0,
+        advertise_host: str | None = None,
+        bind_host: str | None = None,
+    ) -> None:
+        super().__init__(count, start_rank)
+        self.handshake_address = handshake_address
+        self.advertise_host = advertise_host
+        self.bind_host = bind_host
+        self._host, self._port = _split_tcp(handshake_address)
+
+    def layout(self) -> SocketLayout:
+        wildcard = self._host in ("*", "0.0.0.0", "::", "[::]")
+        advertise = self.advertise_host or (None if wildcard else self._host)
+        if advertise is None:
+            raise ValueError(
+                f"handshake address {self.handshake_address} is a wildcard: pass "
+                "advertise_host, the address engines use to reach this machine"
+            )
+        bind = self.bind_host or (self._host if wildcard else advertise)
+        return SocketLayout(self.handshake_address, advertise, bind, False, True)
+
+    def describe(self) -> str:
+        return f"{self.count} external engine(s) at {self.handshake_address} (ranks {self.ranks})"
+
+    def startup_hint(self) -> str:
+        return (
+            f"Start each engine with `vllm serve MODEL --headless --data-parallel-address "
+            f"{self._host} --data-parallel-rpc-port {self._port}` "
+            "(and --data-parallel-start-rank for other ranks), or raise ready_timeout."
+        )
+
+
+def _split_tcp(address: str) -> tuple[str, int]:
+    if not address.startswith("tcp://"):
+        raise ValueError(f"expected a tcp://HOST:PORT address, got {address!r}")
+    rest = address[len("tcp://") :]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected a tcp://HOST:PORT address, got {address!r}")
+    return host.strip("[]") if host.startswith("[") else host, int(port)
