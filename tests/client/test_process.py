@@ -1,0 +1,153 @@
+"""Engine process lifecycle with tiny python children: output tail, exit watch, shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import anyio
+import pytest
+
+from trio_vllm.client._process import EngineProcess, spawn_engine_process
+
+pytestmark = pytest.mark.anyio
+
+
+def _gone(pid: int) -> bool:
+    """True if ``pid`` is neither running nor a zombie child of ours."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass  # not our child (anymore): reaped
+    else:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def _spawn(code: str) -> EngineProcess:
+    return await spawn_engine_process([sys.executable, "-c", code], name="test child", ranks=[0])
+
+
+async def test_exit_is_reported_with_code_and_output_tail() -> None:
+    code = (
+        "import sys\n"
+        "for i in range(100): print('line', i)\n"
+        "sys.stderr.write('fatal: boom\\n')\n"
+        "sys.exit(3)\n"
+    )
+    proc = await _spawn(code)
+    exits: list[tuple[EngineProcess, float]] = []
+    with anyio.fail_after(10):
+        await proc.watch(lambda p: exits.append((p, time.monotonic())))
+    assert exits
+    assert exits[0][0] is proc
+    assert proc.returncode == 3
+    text = proc.describe_exit()
+    assert "exited with code 3" in text
+    assert "fatal: boom" in text
+    assert "line 99" in text
+    assert "line 10\n" not in proc.output_tail(20)  # bounded tail
+    await proc.stop(grace=1)
+    assert _gone(proc.pid)
+
+
+async def test_signal_death_is_described() -> None:
+    proc = await _spawn("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    with anyio.fail_after(10):
+        await proc.watch(lambda p: None)
+    assert proc.returncode == -signal.SIGKILL
+    assert "killed by SIGKILL" in proc.describe_exit()
+    assert "without writing any output" in proc.describe_exit()
+    await proc.stop(grace=1)
+
+
+async def test_exit_observed_promptly() -> None:
+    proc = await _spawn("import time; time.sleep(0.3)")
+    seen: list[float] = []
+    start = time.monotonic()
+    with anyio.fail_after(10):
+        await proc.watch(lambda p: seen.append(time.monotonic()))
+    # The child sleeps 0.3 s; python startup adds some. The watcher itself adds < 0.1 s.
+    assert seen[0] - start < 5
+    await proc.stop(grace=1)
+
+
+async def test_stop_sigterm_then_sigkill_and_reap_group() -> None:
+    # The child ignores SIGTERM and starts a grandchild in its process group.
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print('grandchild', g.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = await _spawn(code)
+    grandchild = None
+    with anyio.fail_after(10):
+        while grandchild is None:
+            await anyio.sleep(0.05)
+            # watch() is not running here: read the pipe directly.
+            assert proc.process.stdout is not None
+            with anyio.move_on_after(0.5):
+                proc._feed(await proc.process.stdout.receive())
+            for line in list(proc._tail):  # complete lines only
+                if line.startswith("grandchild"):
+                    grandchild = int(line.split()[1])
+    start = time.monotonic()
+    await proc.stop(grace=0.3)
+    elapsed = time.monotonic() - start
+    assert 0.25 < elapsed < 5
+    assert proc.returncode == -signal.SIGKILL
+    assert _gone(proc.pid)
+    with anyio.fail_after(5):
+        while True:
+            try:
+                os.kill(grandchild, 0)
+            except ProcessLookupError:
+                break
+            # It may linger as a zombie of the (dead) child until init reaps it.
+            stat = await anyio.Path(f"/proc/{grandchild}/stat").read_text()
+            if stat.split(") ")[1].startswith("Z"):
+                break
+            await anyio.sleep(0.02)
+
+
+async def test_stop_graceful_exit_within_grace() -> None:
+    proc = await _spawn("import time; print('up', flush=True); time.sleep(60)")
+    start = time.monotonic()
+    await proc.stop(grace=5)
+    assert time.monotonic() - start < 4
+    assert proc.returncode == -signal.SIGTERM
+    assert _gone(proc.pid)
+
+
+async def test_stop_completes_when_caller_is_cancelled() -> None:
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('up', flush=True); time.sleep(60)"
+    )
+    proc = await _spawn(code)
+    assert proc.process.stdout is not None
+    with anyio.fail_after(10):
+        assert b"up" in await proc.process.stdout.receive()  # the handler is installed
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await proc.stop(grace=0.2)  # shielded: runs to completion anyway
+    assert proc.returncode == -signal.SIGKILL
+    assert _gone(proc.pid)
+
+
+async def test_watch_cancelled_does_not_call_on_exit() -> None:
+    proc = await _spawn("import time; time.sleep(60)")
+    called: list[EngineProcess] = []
+    with anyio.move_on_after(0.2):
+        await proc.watch(called.append)
+    assert called == []
+    await proc.stop(grace=1)
+    assert _gone(proc.pid)
