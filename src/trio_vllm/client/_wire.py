@@ -12,15 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .._exceptions import InsecureSerializationError, ProtocolError
+from ..protocol.codec import ClientCodec
 from ..protocol.profiles import ProtocolProfile, newest_profile, profile_for_version
-from ..protocol.structs import (
-    ENGINE_CORE_DEAD,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    RequestType,
-    UtilityOutput,
-)
+from ..protocol.structs import EngineCoreDead, EngineCoreOutputs, EngineCoreRequest, UtilityOutput
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -41,8 +35,9 @@ class Wire:
         self.profile = profile
         self.vllm_version = vllm_version
         self.allow_insecure_serialization = allow_insecure_serialization
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._codec = ClientCodec(
+            profile, allow_insecure_serialization=allow_insecure_serialization
+        )
 
     @classmethod
     def create(
@@ -81,58 +76,38 @@ class Wire:
         return request.request_id
 
     def validate_request(self, request: EngineCoreRequest) -> None:
-        """Reject what the engine would choke on (raises ``ValueError``)."""
-        if (request.sampling_params is None) == (request.pooling_params is None):
-            raise ValueError("exactly one of sampling_params and pooling_params must be set")
-        if request.prompt_token_ids is None and request.prompt_embeds is None:
-            raise ValueError("prompt_token_ids is required (or prompt_embeds)")
-        if request.prompt_token_ids is not None and not request.prompt_token_ids:
-            raise ValueError("the prompt must not be empty")
-        params = request.sampling_params
-        if params is not None and params.max_tokens is None:
-            raise ValueError("sampling_params.max_tokens must be set explicitly (§10)")
+        """Client-level checks on top of the codec's validation (``ValueError``)."""
         if request.client_index != 0:
             raise ValueError("client_index must be 0 (this client is the only frontend)")
 
-    def encode_add(self, request: EngineCoreRequest) -> list[bytes]:
-        return [RequestType.ADD.value, self._encoder.encode(request)]
+    def encode_add(self, request: EngineCoreRequest) -> list[Any]:
+        """Validate and encode an ADD (``ValueError`` before any byte is produced)."""
+        return self._codec.encode_add(request)
 
-    def encode_abort(self, request_ids: Sequence[str]) -> list[bytes]:
-        return [RequestType.ABORT.value, self._encoder.encode(list(request_ids))]
+    def encode_abort(self, request_ids: Sequence[str]) -> list[Any]:
+        return self._codec.encode_abort(request_ids)
 
     def encode_utility(
         self, client_index: int, call_id: int, method: str, args: Sequence[Any]
-    ) -> list[bytes]:
-        return [
-            RequestType.UTILITY.value,
-            self._encoder.encode([client_index, call_id, method, list(args)]),
-        ]
+    ) -> list[Any]:
+        return self._codec.encode_utility(client_index, call_id, method, args)
 
     # -- outputs --------------------------------------------------------------------
 
     def decode_outputs(self, frames: Sequence[Any]) -> EngineCoreOutputs | None:
-        """Decode one output message; ``None`` means ENGINE_CORE_DEAD."""
-        if len(frames) == 1 and bytes(frames[0]) == ENGINE_CORE_DEAD:
-            return None
-        try:
-            return self._decoder.decode(frames[0])
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            head = bytes(frames[0][:24]).hex() if frames else ""
-            raise ProtocolError(
-                f"cannot decode EngineCoreOutputs ({len(frames)} frame(s), first "
-                f"{len(frames[0]) if frames else 0} bytes, starts {head}): {exc}"
-            ) from exc
+        """Decode one output message; ``None`` means ENGINE_CORE_DEAD.
 
-    def utility_value(self, utility: UtilityOutput) -> Any:
-        result = utility.result
-        if result is None:
+        Raises :class:`~trio_vllm.ProtocolError` describing the frame otherwise.
+        """
+        outputs = self._codec.decode_outputs(frames)
+        if isinstance(outputs, EngineCoreDead):
             return None
-        if result.type_info is not None and not self.allow_insecure_serialization:
-            raise InsecureSerializationError(
-                "utility result carries a type hint (insecure serialization); pass "
-                "allow_insecure_serialization=True to accept it"
-            )
-        return result.result
+        return outputs
+
+    @staticmethod
+    def utility_value(utility: UtilityOutput) -> Any:
+        # The codec already refused (or converted) typed results.
+        return None if utility.result is None else utility.result.result
 
     @staticmethod
     def replace_outputs(outputs: EngineCoreOutputs, selected: list[Any]) -> EngineCoreOutputs:
