@@ -1,0 +1,311 @@
+"""Tensor and ndarray payloads: the ``[dtype, shape, data]`` triple of PROTOCOL.md §4.6.
+
+torch is imported lazily, the first time a torch-layout tensor is decoded or encoded, so
+``import trio_vllm`` and every message without tensors work where torch is missing.
+
+Decoding never copies an aux frame: numpy arrays are read-only views of the frame and
+torch tensors share its memory (treat them as read-only; ``.clone()`` before writing).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import warnings
+from typing import Any, Final
+
+import numpy as np
+
+__all__ = ["RawTensor", "TensorLike", "torch_available"]
+
+_torch: Any = None
+_torch_checked = False
+
+
+def _get_torch() -> Any:
+    """Return the torch module, or ``None`` when it cannot be imported (checked once)."""
+    global _torch, _torch_checked
+    if not _torch_checked:
+        _torch_checked = True
+        try:
+            import torch
+        except Exception:  # torch missing or broken: use the numpy fallback
+            _torch = None
+        else:
+            _torch = torch
+            TensorLike.register(torch.Tensor)
+    return _torch
+
+
+def torch_available() -> bool:
+    """Whether torch can be imported here (imports it on first call)."""
+    return _get_torch() is not None
+
+
+class TensorLike(abc.ABC):  # noqa: B024 - a marker ABC without methods on purpose
+    """Marker type of tensor-valued fields.
+
+    A decoded tensor is a ``torch.Tensor`` when torch is importable, else a read-only
+    ``numpy.ndarray`` when numpy has the dtype, else a :class:`RawTensor` (bfloat16 and
+    float8 without torch). ``torch.Tensor`` (registered lazily), ``numpy.ndarray`` and
+    :class:`RawTensor` are virtual subclasses.
+    """
+
+
+class RawTensor:
+    """Bytes of a tensor whose dtype has no numpy equivalent (or any tensor, if you like).
+
+    ``dtype`` is the torch dtype name (``"bfloat16"``), ``shape`` the dimensions, ``data``
+    the C-contiguous little-endian bytes. Encoding accepts it like a tensor; decoding
+    returns it only without torch for dtypes numpy lacks.
+    """
+
+    __slots__ = ("data", "dtype", "shape")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], data: bytes | memoryview) -> None:
+        self.dtype = dtype
+        self.shape = tuple(shape)
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"RawTensor(dtype={self.dtype!r}, shape={self.shape!r}, nbytes={len(self.data)})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RawTensor):
+            return NotImplemented
+        return (self.dtype, self.shape, bytes(self.data)) == (
+            other.dtype,
+            other.shape,
+            bytes(other.data),
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def to_torch(self) -> Any:
+        """Convert to a torch tensor (copies; needs torch)."""
+        torch = _get_torch()
+        if torch is None:
+            raise RuntimeError("torch is not importable")
+        return _torch_from_buffer(torch, self.dtype, self.shape, memoryview(bytes(self.data)))
+
+
+TensorLike.register(RawTensor)
+TensorLike.register(np.ndarray)
+
+# torch dtype name <-> numpy dtype, for dtypes both have (native little-endian).
+_TORCH_TO_NUMPY: Final[dict[str, str]] = {
+    "float64": "<f8",
+    "double": "<f8",
+    "float32": "<f4",
+    "float": "<f4",
+    "float16": "<f2",
+    "half": "<f2",
+    "int64": "<i8",
+    "long": "<i8",
+    "int32": "<i4",
+    "int": "<i4",
+    "int16": "<i2",
+    "short": "<i2",
+    "int8": "|i1",
+    "uint8": "|u1",
+    "uint16": "<u2",
+    "uint32": "<u4",
+    "uint64": "<u8",
+    "bool": "|b1",
+    "complex64": "<c8",
+    "complex128": "<c16",
+}
+_NUMPY_TO_TORCH: Final[dict[str, str]] = {
+    "<f8": "float64",
+    "<f4": "float32",
+    "<f2": "float16",
+    "<i8": "int64",
+    "<i4": "int32",
+    "<i2": "int16",
+    "|i1": "int8",
+    "|u1": "uint8",
+    "<u2": "uint16",
+    "<u4": "uint32",
+    "<u8": "uint64",
+    "|b1": "bool",
+    "<c8": "complex64",
+    "<c16": "complex128",
+}
+# Item sizes of torch dtypes numpy lacks.
+_TORCH_ONLY_ITEMSIZE: Final[dict[str, int]] = {
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "complex32": 4,
+    "chalf": 4,
+}
+_ALLOWED_NUMPY_KINDS: Final = frozenset("biufc")
+
+
+def _check_triple(obj: Any) -> tuple[str, tuple[int, ...], Any]:
+    if not isinstance(obj, (list, tuple)) or len(obj) != 3:
+        raise ValueError("a tensor must be a [dtype, shape, data] array")
+    dtype, shape, data = obj
+    if not isinstance(dtype, str):
+        raise ValueError(f"tensor dtype must be a str, got {type(dtype).__name__}")
+    if not isinstance(shape, (list, tuple)) or not all(
+        type(d) is int and d >= 0 for d in shape
+    ):
+        raise ValueError(f"tensor shape must be an array of non-negative ints, got {shape!r}")
+    if len(shape) > 64:
+        raise ValueError(f"tensor has {len(shape)} dimensions (at most 64 are supported)")
+    return dtype, tuple(shape), data
+
+
+def resolve_buffer(data: Any, aux: list[Any] | None) -> memoryview:
+    """The bytes a tensor's ``data`` item points at: inline ext 3 or an aux frame index."""
+    if isinstance(data, memoryview):
+        return data
+    if isinstance(data, bytes):
+        return memoryview(data)
+    if type(data) is int:
+        if aux is None or not 1 <= data < len(aux):
+            count = 0 if aux is None else len(aux) - 1
+            raise ValueError(
+                f"tensor data refers to aux frame {data}, but the message has {count} aux frame(s)"
+            )
+        return memoryview(aux[data]).cast("B")
+    if isinstance(data, dict):
+        raise ValueError("shared-memory tensor handles (mm_tensor_ipc) cannot cross the wire")
+    raise ValueError(f"tensor data must be ext type 3 or an aux frame index, got {type(data).__name__}")
+
+
+def _numpy_dtype(name: str) -> np.dtype[Any]:
+    mapped = _TORCH_TO_NUMPY.get(name, name)
+    try:
+        dt = np.dtype(mapped)
+    except Exception:
+        raise ValueError(f"unknown array dtype {name!r}") from None
+    if dt.kind not in _ALLOWED_NUMPY_KINDS or dt.fields is not None or dt.subdtype is not None:
+        raise ValueError(f"array dtype {name!r} is not a plain numeric dtype")
+    return dt
+
+
+def _check_size(shape: tuple[int, ...], itemsize: int, nbytes: int, dtype: str) -> None:
+    expected = math.prod(shape) * itemsize
+    if expected != nbytes:
+        raise ValueError(
+            f"{dtype} tensor of shape {list(shape)} needs {expected} bytes, data has {nbytes}"
+        )
+
+
+def decode_ndarray(obj: Any, aux: list[Any] | None) -> np.ndarray[Any, Any]:
+    """Decode a numpy-layout triple into a read-only ndarray viewing the buffer."""
+    dtype, shape, data = _check_triple(obj)
+    buf = resolve_buffer(data, aux)
+    dt = _numpy_dtype(dtype)
+    _check_size(shape, dt.itemsize, buf.nbytes, dtype)
+    return np.frombuffer(buf, dtype=dt).reshape(shape)
+
+
+def _torch_from_buffer(torch: Any, dtype: str, shape: tuple[int, ...], buf: memoryview) -> Any:
+    if not dtype.isidentifier() or dtype.startswith("_"):
+        raise ValueError(f"unknown tensor dtype {dtype!r}")
+    tdt = getattr(torch, dtype, None)
+    if not isinstance(tdt, torch.dtype):
+        raise ValueError(f"unknown tensor dtype {dtype!r}")
+    itemsize = tdt.itemsize
+    _check_size(shape, itemsize, buf.nbytes, dtype)
+    if buf.nbytes == 0:
+        return torch.empty(shape, dtype=tdt)
+    with warnings.catch_warnings():
+        # The frame is read-only; torch warns about that but shares it fine.
+        warnings.simplefilter("ignore")
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+    return flat.view(tdt).view(shape)
+
+
+def decode_tensor(obj: Any, aux: list[Any] | None) -> Any:
+    """Decode a torch-layout triple: torch tensor, else ndarray, else :class:`RawTensor`."""
+    dtype, shape, data = _check_triple(obj)
+    buf = resolve_buffer(data, aux)
+    torch = _get_torch()
+    if torch is not None:
+        return _torch_from_buffer(torch, dtype, shape, buf)
+    if dtype in _TORCH_ONLY_ITEMSIZE:
+        _check_size(shape, _TORCH_ONLY_ITEMSIZE[dtype], buf.nbytes, dtype)
+        return RawTensor(dtype, shape, buf)
+    if dtype not in _TORCH_TO_NUMPY:
+        raise ValueError(f"unknown tensor dtype {dtype!r}")
+    dt = np.dtype(_TORCH_TO_NUMPY[dtype])
+    _check_size(shape, dt.itemsize, buf.nbytes, dtype)
+    return np.frombuffer(buf, dtype=dt).reshape(shape)
+
+
+def tensor_parts(obj: Any, *, torch_layout: bool) -> tuple[str, list[int], memoryview]:
+    """(dtype name, shape, C-contiguous bytes) of a torch tensor, ndarray or RawTensor.
+
+    ``torch_layout`` picks the dtype spelling: torch names (``"float32"``) for fields
+    vLLM declares as ``torch.Tensor``, numpy ``dtype.str`` (``"<f4"``) for ndarray
+    fields. Raises ``TypeError`` for anything else.
+    """
+    if isinstance(obj, RawTensor):
+        data = memoryview(obj.data).cast("B")
+        if torch_layout:
+            return obj.dtype, list(obj.shape), data
+        return _torch_to_numpy_name(obj.dtype), list(obj.shape), data
+    if isinstance(obj, np.ndarray):
+        arr = obj
+        if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not _LITTLE):
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype.kind not in _ALLOWED_NUMPY_KINDS:
+            raise TypeError(f"cannot send an ndarray of dtype {arr.dtype}")
+        name = arr.dtype.str
+        if torch_layout:
+            if name not in _NUMPY_TO_TORCH:
+                raise TypeError(f"ndarray dtype {name} has no torch equivalent")
+            name = _NUMPY_TO_TORCH[name]
+        return name, list(arr.shape), memoryview(arr.reshape(-1).view(np.uint8))
+    torch = _get_torch()
+    if torch is not None and isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        name = str(t.dtype).removeprefix("torch.")
+        shape = list(t.shape)
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        if not torch_layout:
+            name = _torch_to_numpy_name(name)
+        return name, shape, data
+    raise TypeError(f"cannot encode an object of type {type(obj).__name__} as a tensor")
+
+
+def _torch_to_numpy_name(name: str) -> str:
+    if name in _TORCH_TO_NUMPY:
+        return _TORCH_TO_NUMPY[name]
+    raise TypeError(f"tensor dtype {name} has no numpy equivalent")
+
+
+_LITTLE: Final = np.little_endian
+
+
+def describe(obj: Any) -> dict[str, Any]:
+    """``{dtype, shape, values}`` of a decoded tensor/array (for wire checks and tests)."""
+    if isinstance(obj, RawTensor):
+        torch = _get_torch()
+        if torch is None:
+            return {"dtype": obj.dtype, "shape": list(obj.shape), "values": None}
+        obj = obj.to_torch()
+    if isinstance(obj, np.ndarray):
+        return {"dtype": obj.dtype.str, "shape": list(obj.shape), "values": obj.reshape(-1).tolist()}
+    torch = _get_torch()
+    if torch is not None and isinstance(obj, torch.Tensor):
+        flat = obj.reshape(-1)
+        if flat.dtype.is_floating_point and flat.dtype not in (torch.float32, torch.float64):
+            flat = flat.float()
+        return {
+            "dtype": str(obj.dtype).removeprefix("torch."),
+            "shape": list(obj.shape),
+            "values": flat.tolist(),
+        }
+    raise TypeError(f"not a tensor: {type(obj).__name__}")

@@ -1,0 +1,770 @@
+"""Frames <-> messages, for both ends of the input and output sockets (sans-I/O).
+
+* :class:`ClientCodec` (the frontend): encodes ADD / ABORT / UTILITY / START_DP_WAVE into
+  the frames that follow the routing identity, ``[type byte][main][aux...]``, and decodes
+  what arrives on the output socket (``[main][aux...]`` or the single
+  ``ENGINE_CORE_DEAD`` frame) into :class:`EngineCoreOutputs`.
+* :class:`EngineCodec` (an engine, e.g. the reference engine): the mirror image.
+* Module functions for the startup messages: the ready response and the handshake's
+  HELLO, init metadata and READY.
+
+Both codecs are built for one :class:`~.profiles.ProtocolProfile` and build their msgspec
+encoders/decoders once; reuse them. They are not thread-safe (one call at a time), and
+never block or await.
+
+Errors: every decoding failure raises :class:`~trio_vllm.ProtocolError` (or its subclass
+:class:`~trio_vllm.InsecureSerializationError` for a pickle payload that was not allowed),
+naming the message and what was wrong; never another exception type. Encoding a request
+that would break a stock engine raises ``ValueError`` before any byte is produced (see
+:mod:`.validation`).
+
+Zero copy: frames may be ``bytes``, ``memoryview``, ``bytearray`` or objects exposing
+``.buffer`` or the buffer protocol (``zmq.Frame``). Arrays and tensors that arrive in aux
+frames are views of those frames, not copies. Encoded aux frames are views of the
+arrays/tensors passed in: do not modify those until the frames are sent.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
+
+import msgspec
+import numpy as np
+
+from .._exceptions import InsecureSerializationError, ProtocolError
+from . import _tensors
+from ._tensors import RawTensor, TensorLike, tensor_parts
+from .profiles import ProtocolProfile, newest_profile
+from .structs import (
+    ENGINE_CORE_DEAD,
+    AbortRequests,
+    EngineCoreDead,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReadyResponse,
+    EngineCoreRequest,
+    EngineHandshakeMetadata,
+    HandshakeHello,
+    HandshakeReady,
+    LogprobsTensors,
+    LoRARequest,
+    PoolingParams,
+    RequestType,
+    SamplingParams,
+    StartDPWave,
+    UtilityCall,
+)
+from .validation import validate_request
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+__all__ = [
+    "DEFAULT_INLINE_THRESHOLD",
+    "ClientCodec",
+    "EngineCodec",
+    "Frame",
+    "InputMessage",
+    "OutgoingFrame",
+    "decode_handshake_metadata",
+    "decode_hello",
+    "decode_ready",
+    "decode_ready_response",
+    "encode_handshake_metadata",
+    "encode_hello",
+    "encode_ready",
+    "encode_ready_response",
+]
+
+#: vLLM's ``VLLM_MSGPACK_ZERO_COPY_THRESHOLD``: tensors smaller than this travel inline.
+DEFAULT_INLINE_THRESHOLD: Final = 256
+
+#: A received frame: bytes-like, or an object with ``.buffer`` / the buffer protocol.
+Frame: TypeAlias = Any
+#: An encoded frame: bytes, or a memoryview of an array/tensor (aux frames).
+OutgoingFrame: TypeAlias = bytes | memoryview
+#: What :meth:`EngineCodec.decode_input` returns.
+InputMessage: TypeAlias = EngineCoreRequest | AbortRequests | UtilityCall | StartDPWave
+
+_EXT_PICKLE: Final = 1
+_EXT_CLOUDPICKLE: Final = 2
+_EXT_RAW_VIEW: Final = 3
+_DEAD: Final = EngineCoreDead()
+_TYPE_BYTES: Final = {t.value: t for t in RequestType}
+
+
+def _buf(frame: Frame) -> Any:
+    """A buffer msgspec/numpy can read for ``frame`` (no copy)."""
+    t = type(frame)
+    if t is bytes or t is memoryview or t is bytearray:
+        return frame
+    inner = getattr(frame, "buffer", None)
+    if isinstance(inner, memoryview):
+        return inner
+    return memoryview(frame)
+
+
+# ---- per-profile layout conversion ------------------------------------------------------
+
+
+def _names(cls: type[msgspec.Struct]) -> tuple[str, ...]:
+    return tuple(f.name for f in msgspec.structs.fields(cls))
+
+
+def _index_map(cls: type[msgspec.Struct], layout: tuple[str, ...]) -> tuple[int, ...] | None:
+    """Indices into ``astuple(obj)`` giving ``layout``; None when layout == all fields."""
+    names = _names(cls)
+    if layout == names:
+        return None
+    return tuple(names.index(n) for n in layout)
+
+
+def _is_prefix(cls: type[msgspec.Struct], layout: tuple[str, ...]) -> bool:
+    """Whether ``cls`` can decode ``layout`` directly (same leading positions)."""
+    return _names(cls)[: len(layout)] == layout
+
+
+def _wire_class(
+    cls: type[msgspec.Struct],
+    layout: tuple[str, ...],
+    *,
+    name: str,
+    overrides: dict[str, Any] | None = None,
+    array_like: bool = True,
+    omit_defaults: bool = False,
+) -> type[msgspec.Struct]:
+    """A struct class with ``layout``'s fields (types and defaults taken from ``cls``)."""
+    info = {f.name: f for f in msgspec.structs.fields(cls)}
+    fields: list[tuple[str, Any, Any]] = []
+    for fname in layout:
+        f = info[fname]
+        tp = (overrides or {}).get(fname, f.type)
+        if f.default is not msgspec.NODEFAULT:
+            fields.append((fname, tp, f.default))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            fields.append((fname, tp, msgspec.field(default_factory=f.default_factory)))
+        else:
+            fields.append((fname, tp, msgspec.NODEFAULT))
+    # msgspec wants required fields first; positional layouts of vLLM already are.
+    spec: list[str | tuple[str, Any] | tuple[str, Any, Any]] = [
+        (n, t) if d is msgspec.NODEFAULT else (n, t, d) for n, t, d in fields
+    ]
+    return msgspec.defstruct(
+        name, spec, array_like=array_like, omit_defaults=omit_defaults, gc=False
+    )
+
+
+class _Layouts:
+    """Everything a codec needs to speak one profile's layouts (built once per profile)."""
+
+    def __init__(self, profile: ProtocolProfile) -> None:
+        self.profile = profile
+        lay = profile.layouts
+        self.request_len = len(lay["EngineCoreRequest"])
+        self.request_idx = _index_map(EngineCoreRequest, lay["EngineCoreRequest"])
+        self.output_idx = _index_map(EngineCoreOutput, lay["EngineCoreOutput"])
+        self.outputs_idx = _index_map(EngineCoreOutputs, lay["EngineCoreOutputs"])
+        self.lora_idx = _index_map(LoRARequest, lay["LoRARequest"])
+        self.pooling_idx = _index_map(PoolingParams, lay["PoolingParams"])
+        self.lp_tensors_idx = _index_map(LogprobsTensors, lay["LogprobsTensors"])
+        sampling_keys = profile.map_keys["SamplingParams"]
+        self.sampling_cls: type[msgspec.Struct] | None = None
+        if sampling_keys != _names(SamplingParams):
+            self.sampling_cls = _wire_class(
+                SamplingParams,
+                sampling_keys,
+                name=f"SamplingParams_{profile.vllm_version}",
+                array_like=False,
+                omit_defaults=True,
+            )
+        self.sampling_keys = sampling_keys
+
+        # Decoding: the canonical classes read every layout that is a prefix of theirs
+        # (appended fields only). Otherwise decode into generated wire classes and convert.
+        self.lora_wire: type[msgspec.Struct] | None = None
+        if not _is_prefix(LoRARequest, lay["LoRARequest"]):
+            self.lora_wire = _wire_class(
+                LoRARequest, lay["LoRARequest"], name=f"LoRARequest_{profile.vllm_version}"
+            )
+        self.request_wire: type[msgspec.Struct] | None = None
+        if self.lora_wire is not None or not _is_prefix(
+            EngineCoreRequest, lay["EngineCoreRequest"]
+        ):
+            overrides = {} if self.lora_wire is None else {"lora_request": self.lora_wire | None}
+            self.request_wire = _wire_class(
+                EngineCoreRequest,
+                lay["EngineCoreRequest"],
+                name=f"EngineCoreRequest_{profile.vllm_version}",
+                overrides=overrides,
+            )
+        self.output_wire: type[msgspec.Struct] | None = None
+        self.outputs_wire: type[msgspec.Struct] | None = None
+        if not _is_prefix(EngineCoreOutput, lay["EngineCoreOutput"]):
+            self.output_wire = _wire_class(
+                EngineCoreOutput,
+                lay["EngineCoreOutput"],
+                name=f"EngineCoreOutput_{profile.vllm_version}",
+            )
+            self.outputs_wire = _wire_class(
+                EngineCoreOutputs,
+                lay["EngineCoreOutputs"],
+                name=f"EngineCoreOutputs_{profile.vllm_version}",
+                overrides={"outputs": list[self.output_wire]},  # type: ignore[name-defined]
+            )
+
+    # -- canonical -> wire (encoding) --
+
+    def lora(self, lora: LoRARequest) -> Any:
+        if self.lora_idx is None:
+            return lora
+        values = msgspec.structs.astuple(lora)
+        return [values[i] for i in self.lora_idx]
+
+    def pooling(self, params: PoolingParams) -> Any:
+        if self.pooling_idx is None:
+            return params
+        values = msgspec.structs.astuple(params)
+        return [values[i] for i in self.pooling_idx]
+
+    def sampling(self, params: SamplingParams) -> Any:
+        if self.sampling_cls is None:
+            return params
+        return self.sampling_cls(**{k: getattr(params, k) for k in self.sampling_keys})
+
+    def lp_tensors(self, lp: LogprobsTensors) -> Any:
+        lp = _torch_layout_fields(
+            lp, ("logprob_token_ids", "logprobs", "selected_token_ranks",
+                 "cu_num_generated_tokens_tensor")
+        )
+        if self.lp_tensors_idx is None:
+            return lp
+        values = msgspec.structs.astuple(lp)
+        return [values[i] for i in self.lp_tensors_idx]
+
+    def request(self, req: EngineCoreRequest) -> Any:
+        sp, pp, lora, embeds = (
+            req.sampling_params, req.pooling_params, req.lora_request, req.prompt_embeds
+        )
+        convert = (
+            self.request_idx is not None
+            or (sp is not None and self.sampling_cls is not None)
+            or (pp is not None and self.pooling_idx is not None)
+            or (lora is not None and self.lora_idx is not None)
+            or (embeds is not None and isinstance(embeds, np.ndarray))
+        )
+        if not convert:
+            return req
+        values = list(msgspec.structs.astuple(req))
+        if sp is not None:
+            values[3] = self.sampling(sp)
+        if pp is not None:
+            values[4] = self.pooling(pp)
+        if lora is not None:
+            values[6] = self.lora(lora)
+        if isinstance(embeds, np.ndarray):
+            values[9] = _as_torch_layout(embeds)
+        if self.request_idx is not None:
+            return [values[i] for i in self.request_idx]
+        return values
+
+    def output(self, out: EngineCoreOutput) -> Any:
+        lp = out.new_prompt_logprobs_tensors
+        pooled = out.pooling_output
+        scored = out.prompt_token_id_logprobs
+        special = (
+            lp is not None
+            or isinstance(pooled, np.ndarray)
+            or isinstance(scored, np.ndarray)
+        )
+        if self.output_idx is None and not special:
+            return out
+        values = list(msgspec.structs.astuple(out))
+        if lp is not None:
+            values[3] = self.lp_tensors(lp)
+        if isinstance(pooled, np.ndarray):
+            values[4] = _as_torch_layout(pooled)
+        if isinstance(scored, np.ndarray):
+            values[17] = _as_torch_layout(scored)
+        if self.output_idx is None:
+            return values
+        return [values[i] for i in self.output_idx]
+
+    def outputs(self, outs: EngineCoreOutputs) -> Any:
+        converted = [self.output(o) for o in outs.outputs]
+        same = all(c is o for c, o in zip(converted, outs.outputs, strict=True))
+        if self.outputs_idx is None and same:
+            return outs
+        values = list(msgspec.structs.astuple(outs))
+        values[1] = converted
+        if self.outputs_idx is None:
+            return values
+        return [values[i] for i in self.outputs_idx]
+
+    # -- wire -> canonical (decoding, only for non-prefix layouts) --
+
+    def lora_from_wire(self, wire: Any) -> LoRARequest:
+        return LoRARequest(**msgspec.structs.asdict(wire))
+
+    def request_from_wire(self, wire: Any) -> EngineCoreRequest:
+        kwargs = msgspec.structs.asdict(wire)
+        if kwargs.get("lora_request") is not None and self.lora_wire is not None:
+            kwargs["lora_request"] = self.lora_from_wire(kwargs["lora_request"])
+        return EngineCoreRequest(**kwargs)
+
+    def outputs_from_wire(self, wire: Any) -> EngineCoreOutputs:
+        kwargs = msgspec.structs.asdict(wire)
+        kwargs["outputs"] = [
+            EngineCoreOutput(**msgspec.structs.asdict(o)) for o in kwargs["outputs"]
+        ]
+        return EngineCoreOutputs(**kwargs)
+
+
+def _as_torch_layout(arr: np.ndarray[Any, Any]) -> RawTensor:
+    """An ndarray in a field vLLM declares as ``torch.Tensor``: spell its dtype the torch way."""
+    name, shape, data = tensor_parts(arr, torch_layout=True)
+    return RawTensor(name, tuple(shape), data)
+
+
+def _torch_layout_fields(obj: Any, names: Iterable[str]) -> Any:
+    changes = {
+        n: _as_torch_layout(v)
+        for n in names
+        if isinstance(v := getattr(obj, n), np.ndarray)
+    }
+    return msgspec.structs.replace(obj, **changes) if changes else obj
+
+
+_layout_cache: dict[tuple[str, int, int], _Layouts] = {}
+
+
+def _layouts_for(profile: ProtocolProfile) -> _Layouts:
+    key = (profile.vllm_version, id(profile.layouts), id(profile.map_keys))
+    layouts = _layout_cache.get(key)
+    if layouts is None:
+        layouts = _layout_cache[key] = _Layouts(profile)
+    return layouts
+
+
+# ---- shared encoder / decoder machinery -------------------------------------------------
+
+
+class _CodecBase:
+    def __init__(
+        self,
+        profile: ProtocolProfile | None,
+        *,
+        allow_insecure_serialization: bool,
+        inline_threshold: int,
+    ) -> None:
+        self.profile = profile if profile is not None else newest_profile()
+        self.allow_insecure_serialization = allow_insecure_serialization
+        self.inline_threshold = inline_threshold
+        self._layouts = _layouts_for(self.profile)
+        self._aux_in: list[Any] | None = None
+        self._aux_out: list[memoryview] = []
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+
+    # msgspec hooks -------------------------------------------------------------------
+
+    def _enc_hook(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            torch_layout = False
+        elif isinstance(obj, (RawTensor, TensorLike)):
+            torch_layout = True
+        else:
+            raise NotImplementedError(f"cannot encode objects of type {type(obj).__name__}")
+        name, shape, data = tensor_parts(obj, torch_layout=torch_layout)
+        scalar = isinstance(obj, np.ndarray) and obj.ndim == 0
+        if data.nbytes < self.inline_threshold or scalar:
+            return [name, shape, msgspec.msgpack.Ext(_EXT_RAW_VIEW, data.tobytes())]
+        self._aux_out.append(data)
+        return [name, shape, len(self._aux_out)]
+
+    def _dec_hook(self, tp: type, obj: Any) -> Any:
+        if tp is TensorLike:
+            return _tensors.decode_tensor(obj, self._aux_in)
+        if tp is np.ndarray:
+            return _tensors.decode_ndarray(obj, self._aux_in)
+        raise NotImplementedError(f"no decoder for {tp!r}")
+
+    def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if code == _EXT_RAW_VIEW:
+            return data
+        if code in (_EXT_PICKLE, _EXT_CLOUDPICKLE):
+            if not self.allow_insecure_serialization:
+                kind = "pickle" if code == _EXT_PICKLE else "cloudpickle"
+                raise InsecureSerializationError(
+                    f"refusing a {kind} payload (msgpack extension type {code}); pass "
+                    "allow_insecure_serialization=True only for engines you fully trust"
+                )
+            return pickle.loads(data)  # noqa: S301 - explicitly allowed by the caller
+        raise ValueError(f"msgpack extension type {code} is not supported")
+
+    def _decoder(self, tp: Any) -> msgspec.msgpack.Decoder[Any]:
+        return msgspec.msgpack.Decoder(tp, dec_hook=self._dec_hook, ext_hook=self._ext_hook)
+
+    def _encode(self, kind: RequestType | None, message: Any) -> list[OutgoingFrame]:
+        aux: list[memoryview] = []
+        self._aux_out = aux
+        try:
+            main = self._encoder.encode(message)
+        finally:
+            self._aux_out = []
+        if kind is None:
+            return [main, *aux]
+        return [kind.value, main, *aux]
+
+    def _fail(self, what: str, exc: BaseException) -> ProtocolError:
+        if isinstance(exc, ProtocolError):
+            return exc
+        detail = str(exc) or type(exc).__name__
+        return ProtocolError(
+            f"cannot decode {what} (vLLM {self.profile.vllm_version} layout): {detail}"
+        )
+
+
+class ClientCodec(_CodecBase):
+    """The frontend's codec for one engine protocol profile.
+
+    ``allow_insecure_serialization`` accepts pickle/cloudpickle extension payloads and
+    typed utility results (only for engines you fully trust: unpickling runs code).
+    ``inline_threshold`` is the size below which tensors are sent inline (vLLM: 256).
+    """
+
+    def __init__(
+        self,
+        profile: ProtocolProfile | None = None,
+        *,
+        allow_insecure_serialization: bool = False,
+        inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
+    ) -> None:
+        super().__init__(
+            profile,
+            allow_insecure_serialization=allow_insecure_serialization,
+            inline_threshold=inline_threshold,
+        )
+        layouts = self._layouts
+        self._outputs_from_wire: Callable[[Any], EngineCoreOutputs] | None = None
+        if layouts.outputs_wire is not None:
+            self._outputs_decoder = self._decoder(layouts.outputs_wire)
+            self._outputs_from_wire = layouts.outputs_from_wire
+        else:
+            self._outputs_decoder = self._decoder(EngineCoreOutputs)
+
+    # ---- encoding (client -> engine) ----------------------------------------------------
+
+    def encode_add(self, request: EngineCoreRequest, *, validate: bool = True) -> list[OutgoingFrame]:
+        """``[ADD][EngineCoreRequest][aux...]`` for ``request``.
+
+        Validates first (``ValueError`` for anything that would wedge or kill a stock
+        engine, PROTOCOL.md §3.7/§10; see :func:`.validate_request`). Uniqueness of
+        ``request_id`` among live requests is the caller's to guarantee.
+        """
+        if not isinstance(request, EngineCoreRequest):
+            raise TypeError(f"expected an EngineCoreRequest, got {type(request).__name__}")
+        if validate:
+            validate_request(request, profile=self.profile)
+        try:
+            return self._encode(RequestType.ADD, self._layouts.request(request))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"request {request.request_id!r} cannot be encoded: {exc}") from exc
+
+    def encode_abort(self, request_ids: Sequence[str]) -> list[OutgoingFrame]:
+        """``[ABORT][[id, ...]]``. Aborting produces no output; finish the requests locally."""
+        if isinstance(request_ids, str):
+            raise TypeError("request_ids must be a sequence of str, not a str")
+        ids = list(request_ids)
+        for rid in ids:
+            if not isinstance(rid, str):
+                raise TypeError(f"request ids must be str, got {type(rid).__name__}")
+        return self._encode(RequestType.ABORT, ids)
+
+    def encode_utility(
+        self, client_index: int, call_id: int, method: str, args: Sequence[Any] = ()
+    ) -> list[OutgoingFrame]:
+        """``[UTILITY][[client_index, call_id, method, args]]``.
+
+        ``call_id`` must be an int other than the reserved engine notification ids
+        (-1, -2) and fit int64/uint64. Struct arguments (``LoRARequest``, ...) are written
+        in this profile's layout. ``ValueError`` for bad arguments.
+        """
+        if type(client_index) is not int or client_index < 0:
+            raise ValueError(f"client_index must be a non-negative int, got {client_index!r}")
+        if type(call_id) is not int or not -(1 << 63) <= call_id < (1 << 64):
+            raise ValueError(f"call_id must be an int in [-2**63, 2**64), got {call_id!r}")
+        if call_id in self.profile.reserved_call_ids:
+            raise ValueError(f"call_id {call_id} is reserved for engine notifications")
+        if not isinstance(method, str) or not method:
+            raise ValueError(f"method must be a non-empty str, got {method!r}")
+        if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+            raise ValueError("args must be a sequence of positional arguments")
+        wire_args = [self._utility_arg(a) for a in args]
+        try:
+            return self._encode(RequestType.UTILITY, [client_index, call_id, method, wire_args])
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"utility {method!r} arguments cannot be encoded: {exc}") from exc
+
+    def _utility_arg(self, arg: Any) -> Any:
+        if isinstance(arg, LoRARequest):
+            return self._layouts.lora(arg)
+        if isinstance(arg, PoolingParams):
+            return self._layouts.pooling(arg)
+        if isinstance(arg, SamplingParams):
+            return self._layouts.sampling(arg)
+        return arg
+
+    def encode_start_dp_wave(
+        self, wave: int, exclude_engine_index: int | None = None
+    ) -> list[OutgoingFrame]:
+        """``[START_DP_WAVE][[wave, exclude_engine_index]]`` (MoE DP without coordinator)."""
+        if type(wave) is not int or wave < 0:
+            raise ValueError(f"wave must be a non-negative int, got {wave!r}")
+        if exclude_engine_index is not None and type(exclude_engine_index) is not int:
+            raise ValueError("exclude_engine_index must be an int or None")
+        return self._encode(RequestType.START_DP_WAVE, [wave, exclude_engine_index])
+
+    # ---- decoding (engine -> client) ----------------------------------------------------
+
+    def decode_outputs(self, frames: Sequence[Frame]) -> EngineCoreOutputs | EngineCoreDead:
+        """Decode one output-socket message: ``[main][aux...]``.
+
+        Returns :class:`EngineCoreOutputs`, or the :class:`EngineCoreDead` singleton for
+        the single ``ENGINE_CORE_DEAD`` frame. Raises :class:`~trio_vllm.ProtocolError`
+        for anything else (and :class:`~trio_vllm.InsecureSerializationError` for pickle
+        payloads or typed utility results that were not allowed).
+        """
+        try:
+            count = len(frames)
+            if count == 1:
+                main = frames[0]
+                if type(main) is not bytes:
+                    main = _buf(main)
+                if len(main) == 16 and main == ENGINE_CORE_DEAD:
+                    return _DEAD
+                out = self._outputs_decoder.decode(main)
+            elif count == 0:
+                raise ProtocolError("received an empty message (no frames) on the output socket")
+            else:
+                self._aux_in = [_buf(f) for f in frames]
+                out = self._outputs_decoder.decode(self._aux_in[0])
+            if self._outputs_from_wire is not None:
+                out = self._outputs_from_wire(out)
+        except Exception as exc:
+            raise self._fail("EngineCoreOutputs", exc) from None
+        finally:
+            self._aux_in = None
+        utility = out.utility_output
+        if utility is not None and utility.result is not None:
+            self._check_utility_result(utility.result)
+        return out
+
+    def _check_utility_result(self, result: Any) -> None:
+        if result.type_info is None:
+            return
+        if not self.allow_insecure_serialization:
+            raise InsecureSerializationError(
+                "utility result carries type information (the engine runs with "
+                "VLLM_ALLOW_INSECURE_SERIALIZATION); pass allow_insecure_serialization=True "
+                "to accept it"
+            )
+        try:
+            result.result = _convert_typed_result(result.type_info, result.result)
+        except Exception as exc:
+            raise ProtocolError(f"cannot apply utility result type information: {exc}") from None
+
+
+def _convert_typed_result(type_info: Any, value: Any) -> Any:
+    """Apply vLLM's utility-result type hints for builtin containers (insecure mode only)."""
+    if type_info is None:
+        return value
+    if isinstance(type_info, list) and type_info and isinstance(type_info[0], list):
+        if not isinstance(value, list) or len(value) != len(type_info):
+            raise ValueError("type information does not match the value")
+        return [_convert_typed_result(t, v) for t, v in zip(type_info, value, strict=True)]
+    if isinstance(type_info, dict):
+        if not isinstance(value, dict):
+            raise ValueError("type information does not match the value")
+        return {k: _convert_typed_result(type_info.get(k), v) for k, v in value.items()}
+    if isinstance(type_info, list) and len(type_info) == 2:
+        module, name = type_info
+        if module == "builtins":
+            if name == "tuple":
+                return tuple(value)
+            if name == "set":
+                return set(value)
+            if name == "frozenset":
+                return frozenset(value)
+        return value
+    raise ValueError(f"unrecognised type information {type_info!r}")
+
+
+class EngineCodec(_CodecBase):
+    """An engine's codec for one profile: decodes client->engine input, encodes outputs.
+
+    Decoding accepts what a stock engine of that release accepts (extra trailing array
+    elements are ignored); every failure is a :class:`~trio_vllm.ProtocolError`.
+    """
+
+    def __init__(
+        self,
+        profile: ProtocolProfile | None = None,
+        *,
+        allow_insecure_serialization: bool = False,
+        inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
+    ) -> None:
+        super().__init__(
+            profile,
+            allow_insecure_serialization=allow_insecure_serialization,
+            inline_threshold=inline_threshold,
+        )
+        layouts = self._layouts
+        self._request_from_wire: Callable[[Any], EngineCoreRequest] | None = None
+        if layouts.request_wire is not None:
+            self._request_decoder = self._decoder(layouts.request_wire)
+            self._request_from_wire = layouts.request_from_wire
+        else:
+            self._request_decoder = self._decoder(EngineCoreRequest)
+        self._abort_decoder = self._decoder(list[str])
+        self._utility_decoder = self._decoder(UtilityCall)
+        self._wave_decoder = self._decoder(StartDPWave)
+        self._lora_decoder_type: Any = layouts.lora_wire or LoRARequest
+
+    def decode_input(self, frames: Sequence[Frame]) -> InputMessage:
+        """Decode ``[type][main][aux...]`` (the DEALER side, identity already stripped)."""
+        what = "input message"
+        try:
+            if len(frames) < 2:
+                raise ProtocolError(
+                    f"input message has {len(frames)} frame(s); expected [type][payload][aux...]"
+                )
+            head = bytes(_buf(frames[0]))
+            kind = _TYPE_BYTES.get(head)
+            if kind is None or kind in (RequestType.EXECUTOR_FAILED, RequestType.WAKEUP):
+                raise ProtocolError(f"unknown or internal request type byte {head.hex() or '(empty)'}")
+            what = kind.name
+            self._aux_in = [_buf(f) for f in frames[1:]]
+            main = self._aux_in[0]
+            if kind is RequestType.ADD:
+                what = "ADD (EngineCoreRequest)"
+                req = self._request_decoder.decode(main)
+                if self._request_from_wire is not None:
+                    req = self._request_from_wire(req)
+                return req  # type: ignore[no-any-return]
+            if kind is RequestType.ABORT:
+                return AbortRequests(self._abort_decoder.decode(main))
+            if kind is RequestType.UTILITY:
+                return self._utility_decoder.decode(main)  # type: ignore[no-any-return]
+            return self._wave_decoder.decode(main)  # type: ignore[no-any-return]
+        except Exception as exc:
+            raise self._fail(what, exc) from None
+        finally:
+            self._aux_in = None
+
+    def convert_lora_request(self, value: Any) -> LoRARequest:
+        """A decoded ``add_lora`` argument (a plain array) as a :class:`LoRARequest`."""
+        try:
+            wire = msgspec.convert(value, self._lora_decoder_type)
+            if self._layouts.lora_wire is not None:
+                return self._layouts.lora_from_wire(wire)
+            return wire  # type: ignore[no-any-return]
+        except Exception as exc:
+            raise self._fail("LoRARequest argument", exc) from None
+
+    def encode_outputs(self, outputs: EngineCoreOutputs) -> list[OutgoingFrame]:
+        """``[EngineCoreOutputs][aux...]`` in this profile's layout."""
+        return self._encode(None, self._layouts.outputs(outputs))
+
+    def encode_dead(self) -> list[OutgoingFrame]:
+        """The single ``ENGINE_CORE_DEAD`` frame."""
+        return [ENGINE_CORE_DEAD]
+
+    def encode_ready_response(self, response: EngineCoreReadyResponse) -> bytes:
+        """The ready response as this profile's map (every key of the release, in order)."""
+        return encode_ready_response(response, self.profile)
+
+
+# ---- startup messages -------------------------------------------------------------------
+
+_ready_decoder: Final = msgspec.msgpack.Decoder(EngineCoreReadyResponse)
+_hello_decoder: Final = msgspec.msgpack.Decoder(HandshakeHello)
+_ready_msg_decoder: Final = msgspec.msgpack.Decoder(HandshakeReady)
+_metadata_decoder: Final = msgspec.msgpack.Decoder(EngineHandshakeMetadata)
+_plain_encoder: Final = msgspec.msgpack.Encoder()
+
+
+def decode_ready_response(frame: Frame) -> EngineCoreReadyResponse:
+    """Decode the engine's first input-socket message (§2.1); an empty frame means
+    "ready, no metadata" (every field ``None``). Unknown keys are ignored."""
+    try:
+        buf = _buf(frame)
+        if len(buf) == 0:
+            return EngineCoreReadyResponse()
+        return _ready_decoder.decode(buf)
+    except Exception as exc:
+        raise ProtocolError(f"cannot decode EngineCoreReadyResponse: {exc}") from None
+
+
+def encode_ready_response(
+    response: EngineCoreReadyResponse, profile: ProtocolProfile | None = None
+) -> bytes:
+    """Encode a ready response with the keys of ``profile``'s release, in vLLM's order."""
+    keys = (profile or newest_profile()).map_keys["EngineCoreReadyResponse"]
+    return _plain_encoder.encode({k: getattr(response, k) for k in keys})
+
+
+def decode_hello(frame: Frame) -> HandshakeHello:
+    """Decode HELLO (``ProtocolError`` if it is not a HELLO map)."""
+    msg = _decode_startup(_hello_decoder, frame, "HELLO")
+    if msg.status != "HELLO":
+        raise ProtocolError(f"expected a HELLO message, got status {msg.status!r}")
+    return msg  # type: ignore[no-any-return]
+
+
+def encode_hello(*, local: bool, headless: bool) -> bytes:
+    """HELLO, as an engine sends it."""
+    return _plain_encoder.encode({"status": "HELLO", "local": local, "headless": headless})
+
+
+def decode_ready(frame: Frame) -> HandshakeReady:
+    """Decode READY from the handshake socket."""
+    msg = _decode_startup(_ready_msg_decoder, frame, "READY")
+    if msg.status != "READY":
+        raise ProtocolError(f"expected a READY message, got status {msg.status!r}")
+    return msg  # type: ignore[no-any-return]
+
+
+def encode_ready(message: HandshakeReady) -> bytes:
+    """READY, as an engine sends it (optional keys only when set)."""
+    body: dict[str, Any] = {
+        "status": "READY",
+        "local": message.local,
+        "headless": message.headless,
+    }
+    for key in ("parallel_config_hash", "coord_store_port", "elastic_ep_max_dp_size",
+                "num_redundant_experts"):
+        value = getattr(message, key)
+        if value is not None:
+            body[key] = value
+    return _plain_encoder.encode(body)
+
+
+def decode_handshake_metadata(frame: Frame) -> EngineHandshakeMetadata:
+    """Decode the init metadata (engine side); strict like vLLM's."""
+    return _decode_startup(_metadata_decoder, frame, "EngineHandshakeMetadata")  # type: ignore[no-any-return]
+
+
+def encode_handshake_metadata(metadata: EngineHandshakeMetadata) -> bytes:
+    """Encode the init metadata (the client's reply to HELLO), byte-identical to vLLM's."""
+    addresses = metadata.addresses
+    if not addresses.inputs or len(addresses.inputs) != len(addresses.outputs):
+        raise ValueError("addresses.inputs and .outputs must be non-empty and of equal length")
+    return _plain_encoder.encode(metadata)
+
+
+def _decode_startup(decoder: msgspec.msgpack.Decoder[Any], frame: Frame, what: str) -> Any:
+    try:
+        return decoder.decode(_buf(frame))
+    except Exception as exc:
+        raise ProtocolError(f"cannot decode {what}: {exc}") from None
