@@ -1,0 +1,35 @@
+"""The reference engine core: a real vLLM engine-core process for tests and benchmarks.
+
+Run it as ``python -m trio_vllm.reference_engine --handshake-address ADDR --index N``
+(see ``--help`` and ``docs/reference-engine.md``). It speaks vLLM's ZeroMQ + msgpack
+engine-core protocol through :mod:`trio_vllm.protocol`, runs a tiny torch transformer
+(``--model tiny``) or the exactly predictable echo model (``--model echo``), and injects
+faults on demand.
+
+Importing this package imports neither torch nor zmq; the constants below are what a
+client needs to talk to its models.
+"""
+
+from __future__ import annotations
+
+from ._model import BOS_TOKEN_ID as BOS_TOKEN_ID
+from ._model import EOS_TOKEN_ID as EOS_TOKEN_ID
+from ._model import HIDDEN_SIZE as HIDDEN_SIZE
+from ._model import PAD_TOKEN_ID as PAD_TOKEN_ID
+from ._model import UNK_TOKEN_ID as UNK_TOKEN_ID
+from ._model import VOCAB_SIZE as VOCAB_SIZE
+
+__all__ = [
+    "BOS_TOKEN_ID",
+    "EOS_TOKEN_ID",
+    "HIDDEN_SIZE",
+    "PAD_TOKEN_ID",
+    "UNK_TOKEN_ID",
+    "VOCAB_SIZE",
+    "echo_continuation",
+]
+
+
+def echo_continuation(prompt: list[int], num_tokens: int) -> list[int]:
+    """The tokens the echo model generates greedily for ``prompt`` (no stop conditions)."""
+    return [prompt[k % len(prompt)] for k in range(num_tokens)]

@@ -1,0 +1,219 @@
+"""Command line of ``python -m trio_vllm.reference_engine`` (imports neither torch nor zmq)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ["EngineOptions", "build_parser", "parse_options"]
+
+PROTOCOLS = ("0.25.1", "0.32.0", "0.33.0")
+ALL_TASKS = ("generate", "embed", "token_embed", "classify", "token_classify")
+
+_EPILOG = """\
+fault injection (each usable alone or together; steps count model steps):
+  --die-after-steps N        os._exit(1) right after step N's outputs are sent (no
+                             ENGINE_CORE_DEAD, like SIGKILL or a segfault)
+  --dead-after-steps N       after step N: send ENGINE_CORE_DEAD to every client, linger,
+                             exit with status 1 (vLLM's fatal-error path)
+  --stall-after-steps N      after step N: stop reading input and writing output (the
+                             process stays up; SIGTERM and the control socket still work)
+  --startup-delay S          sleep S seconds after the init metadata arrived (slow loading)
+  --crash-on-startup MSG     after the init metadata arrived: print MSG and
+                             "EngineCore failed to start." on stderr, exit 1, send nothing
+  --garbage-after-steps N    after step N: send one undecodable frame on every output
+                             socket, then continue normally
+  --fail-utility NAME        every call of utility NAME fails with failure_message
+                             "Call to NAME method failed: injected failure of NAME"
+  --output-delay-ms D        hold every output message D ms before sending (order kept)
+
+control socket (--control-address ADDR): the engine binds a REP socket there and
+serves JSON commands at run time, e.g. {"cmd": "stall"}. Commands: ping, kill [code],
+dead, stall, unstall, garbage, delay {"ms": D}, fail_utility {"name": N},
+unfail_utility {"name": N}, shutdown. See docs/reference-engine.md.
+"""
+
+
+@dataclass
+class EngineOptions:
+    """Parsed options; see ``--help`` for the meaning of each."""
+
+    handshake_address: str | None = None
+    input_addresses: list[str] = field(default_factory=list)
+    output_addresses: list[str] = field(default_factory=list)
+    index: int = 0
+    protocol: str = "0.32.0"
+    model: str = "tiny"
+    device: str = "auto"
+    seed: int = 0
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    disable_log_stats: bool = False
+    enable_prefix_caching: bool = True
+    max_loras: int = 0
+    max_cpu_loras: int | None = None
+    supported_tasks: tuple[str, ...] = ALL_TASKS
+    enable_sleep_mode: bool = True
+    shutdown_timeout: float = 0.0
+    handshake_timeout: float = 300.0
+    data_parallel_size: int = 1
+    moe: bool = False
+    local: bool = False
+    instance_id: str | None = None
+    firehose: int = 0
+    control_address: str | None = None
+    die_after_steps: int | None = None
+    dead_after_steps: int | None = None
+    stall_after_steps: int | None = None
+    startup_delay: float = 0.0
+    crash_on_startup: str | None = None
+    garbage_after_steps: int | None = None
+    fail_utilities: set[str] = field(default_factory=set)
+    output_delay_ms: float = 0.0
+    verbose: bool = False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m trio_vllm.reference_engine",
+        description=(
+            "A vLLM engine-core process (headless) that speaks vLLM's ZeroMQ + msgpack "
+            "protocol, runs a tiny torch model or the deterministic echo model, and "
+            "injects faults on demand."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    c = p.add_argument_group("connection")
+    c.add_argument("--handshake-address", metavar="ADDR",
+                   help="frontend's handshake ROUTER (e.g. tcp://127.0.0.1:29550)")
+    c.add_argument("--index", type=int, default=0, metavar="N",
+                   help="data-parallel rank: the 2-byte identity (default 0)")
+    c.add_argument("--input-address", action="append", default=[], metavar="A",
+                   help="direct mode (no handshake): connect to this input ROUTER; repeat "
+                        "per frontend")
+    c.add_argument("--output-address", action="append", default=[], metavar="B",
+                   help="direct mode: connect to this output PULL; repeat per frontend")
+    c.add_argument("--protocol", choices=PROTOCOLS, default="0.32.0",
+                   help="vLLM release to emulate (ready response, struct layouts, "
+                        "utilities); default 0.32.0")
+    c.add_argument("--local", action="store_true",
+                   help="announce local=true, headless=false (as an engine launched by its "
+                        "frontend); default is a headless engine")
+    c.add_argument("--handshake-timeout", type=float, default=300.0, metavar="S",
+                   help="exit with status 1 if the init metadata does not arrive within S "
+                        "seconds of HELLO (vLLM: 5 minutes)")
+    c.add_argument("--control-address", metavar="ADDR",
+                   help="bind a REP control socket here (see below)")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", choices=("tiny", "echo"), default="tiny",
+                   help="tiny: 2-layer transformer from --seed; echo: next token = "
+                        "s[len(s) mod len(prompt)] (default tiny)")
+    m.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the tiny model runs; auto = cuda when available")
+    m.add_argument("--seed", type=int, default=0,
+                   help="weights seed and the generator of unseeded requests")
+    m.add_argument("--supported-tasks", default=",".join(ALL_TASKS), metavar="T,T",
+                   help="what get_supported_tasks reports and accepts (default: all)")
+    s = p.add_argument_group("scheduler")
+    s.add_argument("--max-num-seqs", type=int, default=128)
+    s.add_argument("--max-model-len", type=int, default=2048)
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget per step (prefills are chunked to fit)")
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="KV blocks (default: max_num_seqs * max_model_len / block_size)")
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="send no scheduler_stats and no request events")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True)
+    s.add_argument("--max-loras", type=int, default=0,
+                   help="> 0 enables LoRA bookkeeping (supports_lora in the ready response)")
+    s.add_argument("--max-cpu-loras", type=int, default=None)
+    s.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction,
+                   default=True, help="allow sleep levels 1 and 2 (default on)")
+    s.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="S",
+                   help="0: on SIGTERM abort everything (vLLM default); > 0: drain")
+    d = p.add_argument_group("data parallel")
+    d.add_argument("--data-parallel-size", type=int, default=1)
+    d.add_argument("--moe", action="store_true",
+                   help="behave as a MoE DP rank: DP waves (wave_complete/start_wave)")
+    d.add_argument("--instance-id", default=None)
+    b = p.add_argument_group("benchmarking")
+    b.add_argument("--firehose", type=int, default=0, metavar="BATCH",
+                   help="every ADD joins a firehose: messages of BATCH one-token outputs "
+                        "are sent as fast as the socket takes them (round robin over the "
+                        "live requests) until max_tokens or ABORT")
+    f = p.add_argument_group("fault injection (see below)")
+    f.add_argument("--die-after-steps", type=int, metavar="N")
+    f.add_argument("--dead-after-steps", type=int, metavar="N")
+    f.add_argument("--stall-after-steps", type=int, metavar="N")
+    f.add_argument("--startup-delay", type=float, default=0.0, metavar="S")
+    f.add_argument("--crash-on-startup", metavar="MSG")
+    f.add_argument("--garbage-after-steps", type=int, metavar="N")
+    f.add_argument("--fail-utility", action="append", default=[], metavar="NAME")
+    f.add_argument("--output-delay-ms", type=float, default=0.0, metavar="D")
+    p.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
+    return p
+
+
+def parse_options(argv: Sequence[str] | None = None) -> EngineOptions:
+    """Parse and check the command line (argparse exits with status 2 on errors)."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    direct = bool(ns.input_address or ns.output_address)
+    if direct == bool(ns.handshake_address):
+        parser.error("give either --handshake-address or --input-address/--output-address")
+    if direct and len(ns.input_address) != len(ns.output_address):
+        parser.error("--input-address and --output-address must be given equally often")
+    tasks = tuple(t for t in ns.supported_tasks.split(",") if t)
+    for task in tasks:
+        if task not in ALL_TASKS:
+            parser.error(f"unknown task {task!r} in --supported-tasks")
+    if not 0 <= ns.index < 1 << 16:
+        parser.error("--index must fit 2 bytes")
+    return EngineOptions(
+        handshake_address=ns.handshake_address,
+        input_addresses=ns.input_address,
+        output_addresses=ns.output_address,
+        index=ns.index,
+        protocol=ns.protocol,
+        model=ns.model,
+        device=ns.device,
+        seed=ns.seed,
+        max_num_seqs=ns.max_num_seqs,
+        max_model_len=ns.max_model_len,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        block_size=ns.block_size,
+        num_gpu_blocks=ns.num_gpu_blocks,
+        disable_log_stats=ns.disable_log_stats,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        max_loras=ns.max_loras,
+        max_cpu_loras=ns.max_cpu_loras,
+        supported_tasks=tasks,
+        enable_sleep_mode=ns.enable_sleep_mode,
+        shutdown_timeout=ns.shutdown_timeout,
+        handshake_timeout=ns.handshake_timeout,
+        data_parallel_size=ns.data_parallel_size,
+        moe=ns.moe,
+        local=ns.local,
+        instance_id=ns.instance_id,
+        firehose=ns.firehose,
+        control_address=ns.control_address,
+        die_after_steps=ns.die_after_steps,
+        dead_after_steps=ns.dead_after_steps,
+        stall_after_steps=ns.stall_after_steps,
+        startup_delay=ns.startup_delay,
+        crash_on_startup=ns.crash_on_startup,
+        garbage_after_steps=ns.garbage_after_steps,
+        fail_utilities=set(ns.fail_utility),
+        output_delay_ms=ns.output_delay_ms,
+        verbose=ns.verbose,
+    )

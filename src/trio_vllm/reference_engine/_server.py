@@ -1,0 +1,994 @@
+"""The engine process: startup handshake, the busy loop, death and shutdown.
+
+One thread, plain pyzmq: a ``zmq.Poller`` over the input DEALER(s), the coordinator XSUB,
+the optional control REP socket and a signal wake-up fd. The loop reads every queued
+input message (without blocking), then runs one scheduler step when there is work, sends
+that step's outputs, and blocks in ``poll`` only when there is nothing to do (or until
+the next delayed output is due). Everything on the wire goes through ``_wire.py`` (the
+protocol layer).
+
+Failure behaviour is vLLM's (PROTOCOL.md §3.7, §5.6, §8): an undecodable input message
+"kills the input thread" (input is never read again, nothing is sent), a bad
+``client_index`` "kills the output thread" (nothing is ever sent again), a fatal error
+sends ``ENGINE_CORE_DEAD`` to every client and exits with status 1, SIGTERM/SIGINT finish
+everything as ABORT and exit 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+import uuid
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import zmq
+
+from ._model import VOCAB_SIZE, Sequence, load_model
+from ._sampler import SamplingState
+from ._scheduler import (
+    ClientBatch,
+    EngineRequest,
+    FinishReason,
+    OutputRecord,
+    PoolingSpec,
+    Scheduler,
+    SchedulerConfig,
+    StepResult,
+)
+from ._utilities import Deferred, Utilities, UtilityError
+from ._wire import Wire, WireError
+
+if TYPE_CHECKING:
+    from ._model import Model
+    from ._options import EngineOptions
+
+__all__ = ["EngineServer", "FatalEngineError", "run_engine"]
+
+GARBAGE_FRAME = b"\xc1not-msgpack: injected garbage frame"
+_OUTPUT_LINGER_MS = 4000  # vLLM's linger for engine output PUSH sockets
+_HANDSHAKE_LINGER_MS = 5000
+_CLEAN_EXIT_LINGER_MS = 500  # a clean stop must finish within a second
+_DP_SYNC_INTERVAL = 16
+_FIREHOSE_HWM = 64
+
+
+class FatalEngineError(Exception):
+    """An error vLLM raises in its busy loop: ENGINE_CORE_DEAD, then exit 1."""
+
+
+class _Stop(Exception):
+    """Leave the busy loop with this exit status."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _log(msg: str) -> None:
+    print(f"[reference-engine pid {os.getpid()}] {msg}", file=sys.stderr, flush=True)
+
+
+class EngineServer:
+    """One engine core process. ``run()`` returns the process exit status."""
+
+    def __init__(self, options: EngineOptions) -> None:
+        self.options = options
+        self.profile_name = options.protocol
+        self.rank = options.index
+        self.identity = self.rank.to_bytes(2, "little")
+        self.wire = Wire(options.protocol)
+        self.ctx = zmq.Context(io_threads=1)
+        self.model: Model = None  # type: ignore[assignment]  # set in _load_model
+        self.scheduler: Scheduler = None  # type: ignore[assignment]
+        self.loaded = False
+        self.utilities = Utilities(self)
+        self.handshake: zmq.Socket[bytes] | None = None
+        self.inputs: list[zmq.Socket[bytes]] = []
+        self.outputs: list[zmq.Socket[bytes]] = []
+        self.coord_in: zmq.Socket[bytes] | None = None
+        self.coord_out: zmq.Socket[bytes] | None = None
+        self.control: zmq.Socket[bytes] | None = None
+        self.coordinator_addresses: tuple[str | None, str | None] = (None, None)
+        self.shutdown_requested = False
+        self.shutdown_handled = False
+        self.signal_count = 0
+        self.stalled = False
+        self.input_dead = False
+        self.output_dead = False
+        self.steps = 0
+        self.garbage_sent = False
+        self.output_delay_ms = options.output_delay_ms
+        self.delayed: deque[tuple[float, zmq.Socket[bytes], list[Any]]] = deque()
+        self.pending_utilities: list[tuple[int, int, str, Deferred]] = []
+        self.last_utility_argc = 0
+        self.firehose: dict[str, EngineRequest] = {}
+        self.firehose_cursor = 0
+        self.firehose_blocked: tuple[zmq.Socket[bytes], list[Any]] | None = None
+        self.engines_running = False
+        self.wave_steps = 0
+        self.last_counts: tuple[int, int] | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+
+    # ---- process plumbing ----------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signal_count += 1
+        self.shutdown_requested = True
+        if self.signal_count > 1:
+            os._exit(0)  # second signal: stop now, as vLLM's launcher would kill
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            try:
+                if self.options.control_address:
+                    self.control = self.ctx.socket(zmq.REP)
+                    self.control.setsockopt(zmq.LINGER, 0)
+                    self.control.bind(self.options.control_address)
+                code = self._startup()
+                if code is not None:
+                    return code
+                self._loop()
+                return 0
+            except _Stop as stop:
+                return stop.code
+            except FatalEngineError as exc:
+                _log(f"fatal error in the engine core: {exc}")
+                return self._die()
+            except Exception:
+                _log("fatal error in the engine core:\n" + traceback.format_exc())
+                if self.outputs:
+                    return self._die()
+                return 1
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        for sock in [*self.inputs, self.coord_in, self.control, self.handshake]:
+            if sock is not None and not sock.closed:
+                sock.close(linger=0)
+        for sock in [*self.outputs, self.coord_out]:
+            if sock is not None and not sock.closed:
+                sock.close(linger=_CLEAN_EXIT_LINGER_MS)
+        self.ctx.term()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _die(self) -> int:
+        """vLLM's fatal path: ENGINE_CORE_DEAD on every output socket, linger, exit 1."""
+        if not self.output_dead:
+            for sock in self.outputs:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.send(self.wire.dead_frame(), flags=zmq.NOBLOCK)
+        for sock in self.outputs:
+            sock.close(linger=_OUTPUT_LINGER_MS)
+        return 1
+
+    # ---- startup ---------------------------------------------------------------------------
+
+    def _load_model(self) -> None:
+        opts = self.options
+        self.model = load_model(
+            opts.model, seed=opts.seed, device=opts.device, max_model_len=opts.max_model_len
+        )
+        per_seq = -(-opts.max_model_len // opts.block_size)
+        blocks = opts.num_gpu_blocks or opts.max_num_seqs * per_seq
+        self.num_gpu_blocks = blocks
+        self.scheduler = Scheduler(
+            self.model,
+            SchedulerConfig(
+                max_num_seqs=opts.max_num_seqs,
+                max_num_batched_tokens=opts.max_num_batched_tokens,
+                max_model_len=opts.max_model_len,
+                block_size=opts.block_size,
+                num_gpu_blocks=blocks,
+                log_stats=not opts.disable_log_stats,
+                include_finished_set=self.coordinator_addresses[1] is not None,
+                enable_prefix_caching=opts.enable_prefix_caching,
+            ),
+            seed=opts.seed,
+        )
+        self.loaded = True
+
+    def _wait_readable(self, sock: zmq.Socket[bytes], deadline: float | None) -> bool:
+        """Block until ``sock`` is readable; False on deadline. Serves control and signals."""
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        if self.control is not None:
+            poller.register(self.control, zmq.POLLIN)
+        while True:
+            if self.shutdown_requested:
+                raise _Stop(0)
+            timeout = None
+            if deadline is not None:
+                timeout = int(max(0.0, deadline - time.monotonic()) * 1000) + 1
+            events = dict(poller.poll(timeout))
+            if self._wake_r.fileno() in events or self._wake_r in events:
+                self._drain_wake()
+            if self.control is not None and self.control in events:
+                self._serve_control()
+            if sock in events:
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    def _sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if self.shutdown_requested:
+                raise _Stop(0)
+            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+
+    def _startup(self) -> int | None:
+        opts = self.options
+        local, headless = opts.local, not opts.local
+        if opts.handshake_address is None:
+            self._load_model()
+            self._connect(opts.input_addresses, opts.output_addresses, None, None)
+            return None
+        hs = self.handshake = self.ctx.socket(zmq.DEALER)
+        hs.setsockopt(zmq.IDENTITY, self.identity)
+        hs.setsockopt(zmq.LINGER, _HANDSHAKE_LINGER_MS)
+        hs.connect(opts.handshake_address)
+        hs.send(self.wire.encode_hello(local=local, headless=headless))
+        deadline = time.monotonic() + opts.handshake_timeout
+        if not self._wait_readable(hs, deadline):
+            _log(
+                "Did not receive response from front-end process within "
+                f"{opts.handshake_timeout:g} seconds"
+            )
+            _log("EngineCore failed to start.")
+            return 1
+        try:
+            metadata = self.wire.decode_init_metadata(hs.recv())
+        except WireError as exc:
+            _log(f"bad init metadata: {exc}")
+            _log("EngineCore failed to start.")
+            return 1
+        addresses = metadata.addresses
+        self.coordinator_addresses = (addresses.coordinator_input, addresses.coordinator_output)
+        if opts.startup_delay > 0:
+            self._sleep(opts.startup_delay)
+        if opts.crash_on_startup is not None:
+            _log(opts.crash_on_startup)
+            _log("EngineCore failed to start.")
+            return 1
+        self._load_model()
+        self._connect(
+            list(addresses.inputs),
+            list(addresses.outputs),
+            addresses.coordinator_input,
+            addresses.coordinator_output,
+        )
+        hs.send(
+            self.wire.encode_ready(
+                local=local,
+                headless=headless,
+                parallel_config_hash=(
+                    f"reference-{opts.data_parallel_size}"
+                    if opts.data_parallel_size > 1
+                    else None
+                ),
+            )
+        )
+        hs.close(linger=_HANDSHAKE_LINGER_MS)
+        self.handshake = None
+        return None
+
+    def _connect(
+        self,
+        inputs: list[str],
+        outputs: list[str],
+        coordinator_input: str | None,
+        coordinator_output: str | None,
+    ) -> None:
+        for address in inputs:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, self.identity)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self.inputs.append(sock)
+        if coordinator_input is not None:
+            self.coord_in = self.ctx.socket(zmq.XSUB)
+            self.coord_in.setsockopt(zmq.LINGER, 0)
+            self.coord_in.connect(coordinator_input)
+            self.coord_in.send(b"\x01")
+        ready = self.wire.encode_ready_response(self._ready_response_fields())
+        for sock in self.inputs:
+            sock.send(ready)
+        if self.coord_in is not None:
+            while True:
+                if not self._wait_readable(self.coord_in, time.monotonic() + 10):
+                    _log("Waiting for READY message from DP Coordinator...")
+                    continue
+                if self.coord_in.recv_multipart() == [b"READY"]:
+                    break
+        for address in outputs:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, _FIREHOSE_HWM if self.options.firehose else 0)
+            sock.setsockopt(zmq.LINGER, _OUTPUT_LINGER_MS)
+            sock.connect(address)
+            self.outputs.append(sock)
+        if coordinator_output is not None:
+            self.coord_out = self.ctx.socket(zmq.PUSH)
+            self.coord_out.setsockopt(zmq.SNDHWM, 0)
+            self.coord_out.setsockopt(zmq.LINGER, _OUTPUT_LINGER_MS)
+            self.coord_out.connect(coordinator_output)
+
+    def _ready_response_fields(self) -> dict[str, Any]:
+        opts = self.options
+        kv_tokens = self.num_gpu_blocks * opts.block_size
+        return {
+            "max_model_len": opts.max_model_len,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "block_size": opts.block_size,
+            "dp_stats_address": None,
+            "dtype": self.model.dtype,
+            "vllm_version": opts.protocol,
+            "world_size": 1,
+            "data_parallel_size": opts.data_parallel_size,
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "decode_context_parallel_size": 1,
+            "data_parallel_rank": self.rank,
+            "max_num_seqs": opts.max_num_seqs,
+            "max_num_batched_tokens": opts.max_num_batched_tokens,
+            "instance_id": opts.instance_id or str(uuid.uuid4().int >> 64),
+            "supports_lora": opts.max_loras > 0,
+            "max_loras": opts.max_loras,
+            "mamba_block_size": None,
+            "kv_cache_size_tokens": kv_tokens,
+            "kv_cache_max_concurrency": kv_tokens / opts.max_model_len,
+            "kv_events_config": None,
+            "weight_transfer_backend": None,
+            "enable_sleep_mode": opts.enable_sleep_mode,
+            "supports_draft_weight_updates": False,
+            "effective_attention_block_size": opts.block_size,
+            "coord_store_port": 0,
+            "coordinator_input_address": self.coordinator_addresses[0],
+            "coordinator_output_address": self.coordinator_addresses[1],
+        }
+
+    # ---- output ------------------------------------------------------------------------------
+
+    def _send_frames(self, sock: zmq.Socket[bytes], frames: list[Any]) -> None:
+        if self.output_delay_ms > 0 or self.delayed:
+            self.delayed.append((time.monotonic() + self.output_delay_ms / 1000, sock, frames))
+            return
+        sock.send_multipart(frames, copy=False)
+
+    def _flush_delayed(self) -> None:
+        now = time.monotonic()
+        while self.delayed and self.delayed[0][0] <= now:
+            _, sock, frames = self.delayed.popleft()
+            sock.send_multipart(frames, copy=False)
+
+    def send(self, client_index: int, outputs: Any) -> None:
+        """Send one EngineCoreOutputs to ``outputs[client_index]`` (-1: the coordinator)."""
+        if self.output_dead:
+            return
+        if client_index == -1 and self.coord_out is not None:
+            sock = self.coord_out
+        elif 0 <= client_index < len(self.outputs):
+            sock = self.outputs[client_index]
+        else:
+            # vLLM's output thread raises IndexError here and dies: nothing more is sent.
+            self.output_dead = True
+            _log(f"output thread died: no output socket for client_index {client_index}")
+            return
+        self._send_frames(sock, self.wire.encode_outputs(outputs))
+
+    def _client_outputs(self, client_index: int, batch: ClientBatch, **extra: Any) -> Any:
+        return self.wire.outputs(
+            engine_index=self.rank,
+            outputs=[self._output_struct(r) for r in batch.outputs],
+            finished_requests=batch.finished_requests,
+            **extra,
+        )
+
+    def _output_struct(self, record: OutputRecord) -> Any:
+        return self.wire.output(record)
+
+    def send_engine_finished(self, per_client: dict[int, ClientBatch]) -> None:
+        """Engine-initiated finishes (abort on pause/shutdown): outputs + finished ids."""
+        for client_index, batch in per_client.items():
+            self.send(client_index, self._client_outputs(client_index, batch))
+
+    def _send_step(self, result: StepResult) -> None:
+        weight_version = self.utilities.weight_version
+        stats = None if result.stats is None else self.wire.stats(result.stats)
+        for client_index, batch in result.per_client.items():
+            extra: dict[str, Any] = {"weight_version": weight_version}
+            if stats is not None:
+                # vLLM attaches the step's stats to the first client's message only.
+                extra["scheduler_stats"], stats = stats, None
+            self.send(client_index, self._client_outputs(client_index, batch, **extra))
+        if stats is not None:
+            self.send(
+                0,
+                self.wire.outputs(
+                    engine_index=self.rank, scheduler_stats=stats, weight_version=weight_version
+                ),
+            )
+
+    def _reply(self, client_index: int, call_id: int, failure: str | None, value: Any) -> None:
+        self.send(
+            client_index,
+            self.wire.outputs(
+                engine_index=self.rank,
+                utility_output=self.wire.utility_output(call_id, failure, value),
+            ),
+        )
+
+    def _send_garbage(self) -> None:
+        for sock in self.outputs:
+            self._send_frames(sock, [GARBAGE_FRAME])
+
+    # ---- input ---------------------------------------------------------------------------------
+
+    def _kill_input(self, why: str) -> None:
+        # vLLM decodes in its input thread outside any handler: the thread dies, the
+        # process stays up and never reads again, and nothing is sent (§3.7).
+        self.input_dead = True
+        _log(f"input thread died: {why}")
+
+    def _drain_inputs(self) -> None:
+        for sock in self.inputs:
+            for _ in range(1024):
+                if self.input_dead or self.stalled:
+                    return
+                try:
+                    frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle_input([f.buffer for f in frames])
+
+    def _handle_input(self, frames: list[memoryview]) -> None:
+        try:
+            kind, payload = self.wire.decode_input(frames)
+        except WireError as exc:
+            self._kill_input(str(exc))
+            return
+        if kind == "add":
+            self._handle_add(payload)
+        elif kind == "abort":
+            self._handle_abort(payload)
+        elif kind == "utility":
+            self._handle_utility(*payload)
+        elif kind == "start_dp_wave":
+            self._handle_start_wave(*payload)
+        else:
+            self._kill_input(f"unexpected request type {kind!r}")
+
+    def _handle_abort(self, request_ids: list[str]) -> None:
+        self.scheduler.abort(request_ids)
+        for rid in request_ids:
+            self.firehose.pop(rid, None)
+
+    def _error_output(self, req: Any, message: str, code: str = "validation_error",
+                      retryable: bool = False, reason: FinishReason = FinishReason.ERROR) -> None:
+        record = OutputRecord(
+            req.request_id,
+            [],
+            finish_reason=int(reason),
+            trace_headers=req.trace_headers,
+            error=(code, message, retryable) if reason is FinishReason.ERROR else None,
+        )
+        if reason is FinishReason.ERROR:
+            _log(f"request {req.request_id!r} failed: {message}")
+        batch = ClientBatch([record], {req.request_id})
+        self.send(req.client_index, self._client_outputs(req.client_index, batch))
+
+    def _handle_add(self, req: Any) -> None:
+        opts = self.options
+        if self.shutdown_requested:
+            self._error_output(req, "shutting down", reason=FinishReason.ABORT)
+            return
+        rid = req.request_id
+        if rid in self.scheduler.requests or rid in self.firehose:
+            raise FatalEngineError(f"duplicate request id {rid!r}")
+        if req.pooling_params is not None:
+            task = req.pooling_params.task
+            if task is None or task not in opts.supported_tasks or task == "generate":
+                raise FatalEngineError(f"Unsupported task: {task!r}")
+        if opts.moe:
+            self._wave_on_add(req)
+        if self.utilities.generation_paused and self.profile_name == "0.33.0":
+            self._error_output(req, "engine is paused", code="engine_paused", retryable=True)
+            return
+        try:
+            engine_req = self._preprocess(req)
+        except ValueError as exc:
+            self._error_output(req, str(exc))
+            return
+        if req.abort_immediately:
+            return
+        if opts.firehose > 0 and engine_req.pooling is None:
+            engine_req.firehose = True
+            if not opts.disable_log_stats:
+                now = time.monotonic()
+                engine_req.events = [(1, now), (2, now)]
+            self.firehose[rid] = engine_req
+            return
+        self.scheduler.add(engine_req)
+
+    def _preprocess(self, req: Any) -> EngineRequest:
+        """vLLM's contained pre-processing errors become ValueError (finish ERROR)."""
+        opts = self.options
+        sp, pp = req.sampling_params, req.pooling_params
+        if (sp is None) == (pp is None):
+            raise ValueError("exactly one of sampling_params and pooling_params must be set")
+        if req.mm_features:
+            raise ValueError("multimodal inputs are not supported by this model")
+        if req.resumable:
+            raise ValueError("streaming-input (resumable) requests are not supported")
+        if sp is not None and sp.structured_outputs is not None:
+            raise ValueError("structured outputs are not supported by this engine")
+        if req.client_index < 0:
+            raise ValueError(f"invalid client_index {req.client_index}")
+        embeds = mask = None
+        ids = req.prompt_token_ids
+        if req.prompt_embeds is not None:
+            embeds = self.wire.to_numpy(req.prompt_embeds).astype(np.float32)
+            if embeds.ndim != 2 or embeds.shape[0] == 0:
+                raise ValueError(f"prompt_embeds must be [num_tokens, hidden], got {embeds.shape}")
+            if opts.model == "tiny" and embeds.shape[1] != self.model.hidden_size:
+                raise ValueError(
+                    f"prompt_embeds hidden size {embeds.shape[1]} != {self.model.hidden_size}"
+                )
+            n = embeds.shape[0]
+            if req.prompt_is_token_ids is not None:
+                if len(req.prompt_is_token_ids) != n or ids is None or len(ids) != n:
+                    raise ValueError("prompt_is_token_ids/prompt_token_ids length mismatch")
+                mask = ~np.asarray(req.prompt_is_token_ids, dtype=bool)
+                ids = [int(t) if not m else 0 for t, m in zip(ids, mask, strict=True)]
+            else:
+                mask = np.ones(n, dtype=bool)
+                ids = [0] * n
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < VOCAB_SIZE for t in ids):
+            raise ValueError(f"token id out of vocabulary [0, {VOCAB_SIZE})")
+        limit = opts.max_model_len if pp is not None else opts.max_model_len - 1
+        if len(ids) > limit:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens is too long for max_model_len {opts.max_model_len}"
+            )
+        lora_name = None
+        if req.lora_request is not None:
+            if opts.max_loras <= 0:
+                raise ValueError("LoRA request on an engine without LoRA support")
+            try:
+                self.utilities.add_lora_from_request(req.lora_request)
+            except UtilityError as exc:
+                raise ValueError(str(exc)) from exc
+            lora_name = req.lora_request.lora_name
+        seq = Sequence(list(ids), len(ids), embeds, mask)
+        common: dict[str, Any] = {
+            "request_id": req.request_id,
+            "client_index": req.client_index,
+            "seq": seq,
+            "lora_name": lora_name,
+            "cache_salt": req.cache_salt,
+            "trace_headers": req.trace_headers,
+            "arrival_time": req.arrival_time,
+        }
+        if pp is not None:
+            return EngineRequest(
+                **common,
+                pooling=PoolingSpec(pp.task, pp.use_activation, pp.dimensions),
+                skip_reading_prefix_cache=bool(pp.skip_reading_prefix_cache),
+            )
+        if sp.max_tokens is None:
+            raise ValueError("max_tokens must not be None")
+        if sp.n != 1:
+            raise ValueError("n > 1 is fanned out by the frontend; send n=1")
+        all_stop = set(sp._all_stop_token_ids) | set(sp.stop_token_ids or ())
+        state = SamplingState(
+            temperature=sp.temperature,
+            top_k=sp.top_k if sp.top_k and sp.top_k > 0 else 0,
+            top_p=sp.top_p,
+            min_p=sp.min_p,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            logit_bias={int(k): float(v) for k, v in sp.logit_bias.items()}
+            if sp.logit_bias
+            else None,
+            allowed_token_ids=sp.allowed_token_ids,
+            bad_words_token_ids=sp._bad_words_token_ids,
+            min_tokens=sp.min_tokens,
+            min_tokens_stop_ids=sorted(all_stop),
+            logprobs=sp.logprobs,
+            rng=np.random.default_rng(sp.seed) if sp.seed is not None else None,
+        )
+        return EngineRequest(
+            **common,
+            sampling=state,
+            max_tokens=sp.max_tokens,
+            min_tokens=sp.min_tokens,
+            eos_token_id=sp._eos_token_id,
+            ignore_eos=sp.ignore_eos,
+            stop_token_ids=frozenset(sp.stop_token_ids or ()),
+            prompt_logprobs=sp.prompt_logprobs,
+            skip_reading_prefix_cache=bool(sp.skip_reading_prefix_cache),
+        )
+
+    def _handle_utility(
+        self, client_index: int, call_id: int, method: str, args: list[Any]
+    ) -> None:
+        if method == "handle_fault_tolerance":
+            # Intercepted in vLLM's input thread; without fault tolerance it raises there.
+            self._kill_input("handle_fault_tolerance on an engine without fault tolerance")
+            return
+        if self.shutdown_requested:
+            self._reply(client_index, call_id, "Server shutting down", None)
+            return
+        self.last_utility_argc = len(args)
+        try:
+            result = self.utilities.call(method, args)
+        except UtilityError as exc:
+            self._reply(client_index, call_id, f"Call to {method} method failed: {exc}", None)
+            return
+        if isinstance(result, Deferred):
+            self.pending_utilities.append((client_index, call_id, method, result))
+            return
+        self._reply(client_index, call_id, None, result)
+
+    def _complete_deferred(self) -> None:
+        if not self.pending_utilities:
+            return
+        still = []
+        for client_index, call_id, method, deferred in self.pending_utilities:
+            if not deferred.ready():
+                still.append((client_index, call_id, method, deferred))
+                continue
+            try:
+                value = deferred.finish()
+            except UtilityError as exc:
+                self._reply(client_index, call_id, f"Call to {method} method failed: {exc}", None)
+            else:
+                self._reply(client_index, call_id, None, value)
+        self.pending_utilities = still
+
+    # ---- DP waves (MoE ranks, PROTOCOL.md §7.4) --------------------------------------------------
+
+    def _wave_target(self) -> int:
+        return -1 if self.coord_out is not None else 0
+
+    def _wave_on_add(self, req: Any) -> None:
+        if self.coord_out is None or req.current_wave == self.scheduler.current_wave:
+            return
+        if req.current_wave > self.scheduler.current_wave:
+            self.scheduler.current_wave = req.current_wave
+        elif not self.engines_running:
+            # A request for a wave that already ended: ask the coordinator for a new one.
+            self.send(-1, self.wire.outputs(engine_index=self.rank,
+                                             start_wave=self.scheduler.current_wave))
+
+    def _handle_start_wave(self, wave: int, exclude: int | None) -> None:
+        if not self.options.moe:
+            _log("Unrecognized input request type: START_DP_WAVE")
+            return
+        if exclude != self.rank and wave >= self.scheduler.current_wave:
+            self.scheduler.current_wave = wave
+            if not self.engines_running:
+                self.engines_running = True
+                self.wave_steps = 0
+
+    def _wave_after_step(self) -> None:
+        """Every rank decides alone (no collective): a wave ends when this rank is idle."""
+        self.wave_steps += 1
+        if self.wave_steps != 1 and self.wave_steps % _DP_SYNC_INTERVAL != 0:
+            return
+        if self.scheduler.has_unfinished() or self.firehose:
+            return
+        self.engines_running = False
+        if self.rank == 0 or self.coord_out is None:
+            self.send(self._wave_target(), self.wire.outputs(
+                engine_index=self.rank, wave_complete=self.scheduler.current_wave))
+        self.scheduler.current_wave += 1
+        self.wave_steps = 0
+
+    def _publish_counts(self) -> None:
+        if self.coord_out is None:
+            return
+        counts = (len(self.scheduler.running), len(self.scheduler.waiting))
+        if counts == self.last_counts:
+            return
+        self.last_counts = counts
+        self.send(-1, self.wire.outputs(
+            engine_index=self.rank,
+            scheduler_stats=self.wire.stats({
+                "num_running_reqs": counts[0],
+                "num_waiting_reqs": counts[1],
+                "step_counter": self.scheduler.step_counter,
+                "current_wave": self.scheduler.current_wave,
+            }),
+        ))
+
+    # ---- control socket ----
+
+    def _serve_control(self) -> None:
+        assert self.control is not None
+        try:
+            raw = self.control.recv(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        try:
+            command = json.loads(raw)
+            name = command["cmd"]
+        except (ValueError, KeyError, TypeError) as exc:
+            self.control.send_json({"ok": False, "error": f"bad command: {exc}"})
+            return
+        reply: dict[str, Any] = {"ok": True}
+        after = None
+        if name == "ping":
+            reply.update(
+                pid=os.getpid(),
+                steps=self.steps,
+                running=len(self.scheduler.running) if self.loaded else 0,
+                waiting=len(self.scheduler.waiting) if self.loaded else 0,
+                firehose=len(self.firehose),
+                stalled=self.stalled,
+                input_dead=self.input_dead,
+                output_dead=self.output_dead,
+            )
+        elif name == "kill":
+            code = int(command.get("code", 1))
+            after = lambda: self._exit_now(code)  # noqa: E731
+        elif name == "dead":
+            after = self._raise_dead
+        elif name == "stall":
+            self.stalled = True
+        elif name == "unstall":
+            self.stalled = False
+        elif name == "garbage":
+            self._send_garbage()
+        elif name == "delay":
+            self.output_delay_ms = float(command.get("ms", 0))
+        elif name == "fail_utility":
+            self.options.fail_utilities.add(str(command["name"]))
+        elif name == "unfail_utility":
+            self.options.fail_utilities.discard(str(command["name"]))
+        elif name == "shutdown":
+            self.shutdown_requested = True
+        else:
+            reply = {"ok": False, "error": f"unknown command {name!r}"}
+        self.control.send_json(reply)
+        if after is not None:
+            after()
+
+    def _exit_now(self, code: int) -> None:
+        time.sleep(0.05)  # let the control reply leave
+        os._exit(code)
+
+    def _raise_dead(self) -> None:
+        raise FatalEngineError("ENGINE_CORE_DEAD requested on the control socket")
+
+    # ---- busy loop ----
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(64):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _begin_shutdown(self) -> None:
+        self.shutdown_handled = True
+        if self.stalled:
+            raise _Stop(0)
+        if self.options.shutdown_timeout <= 0:
+            self.send_engine_finished(self.scheduler.finish_all(FinishReason.ABORT))
+            if self.firehose:
+                by_client: dict[int, ClientBatch] = {}
+                for req in self.firehose.values():
+                    batch = by_client.setdefault(
+                        req.client_index, ClientBatch(finished_requests=set())
+                    )
+                    batch.outputs.append(OutputRecord(req.request_id, [], finish_reason=2))
+                    assert batch.finished_requests is not None
+                    batch.finished_requests.add(req.request_id)
+                self.firehose.clear()
+                self.send_engine_finished(by_client)
+        for client_index, call_id, _method, _deferred in self.pending_utilities:
+            self._reply(client_index, call_id, "Server shutting down", None)
+        self.pending_utilities = []
+
+    def _after_step_faults(self) -> None:
+        opts = self.options
+        n = self.steps
+        if opts.garbage_after_steps is not None and n >= opts.garbage_after_steps and not (
+            self.garbage_sent
+        ):
+            self.garbage_sent = True
+            self._send_garbage()
+        if opts.die_after_steps is not None and n >= opts.die_after_steps:
+            _log(f"fault injection: dying after step {n}")
+            os._exit(1)
+        if opts.dead_after_steps is not None and n >= opts.dead_after_steps:
+            raise FatalEngineError(f"fault injection: ENGINE_CORE_DEAD after step {n}")
+        if opts.stall_after_steps is not None and n >= opts.stall_after_steps:
+            if not self.stalled:
+                _log(f"fault injection: stalling after step {n}")
+            self.stalled = True
+            opts.stall_after_steps = None
+
+    def run_dummy_batch(self) -> None:
+        if self.utilities.is_sleeping() and "weights" in self.utilities._sleeping_tags:
+            return
+        self.model.next_token_logits([Sequence([0], 1)])
+
+    def _firehose_step(self) -> bool:
+        """Send one firehose message; False when the socket is full (retry when writable)."""
+        if self.firehose_blocked is not None:
+            sock, frames = self.firehose_blocked
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
+            self.firehose_blocked = None
+            return True
+        live = list(self.firehose.values())
+        per_client: dict[int, ClientBatch] = {}
+        for _ in range(self.options.firehose):
+            if not live:
+                break
+            req = live[self.firehose_cursor % len(live)]
+            self.firehose_cursor += 1
+            prompt = req.seq.echo_prompt()
+            token = prompt[len(req.output_token_ids) % len(prompt)]
+            req.output_token_ids.append(token)
+            done = len(req.output_token_ids) >= req.max_tokens
+            record = OutputRecord(req.request_id, [token],
+                                  finish_reason=int(FinishReason.LENGTH) if done else None)
+            if req.events:
+                record.events, req.events = req.events, []
+            per_client.setdefault(req.client_index, ClientBatch()).outputs.append(record)
+            if done:
+                del self.firehose[req.request_id]
+                live.remove(req)
+        self.steps += 1
+        self.scheduler.step_counter += 1
+        stats = None if self.options.disable_log_stats else self.scheduler.make_stats()
+        first = True
+        for client_index, batch in per_client.items():
+            extra: dict[str, Any] = {"weight_version": self.utilities.weight_version}
+            if first and stats is not None:
+                extra["scheduler_stats"] = self.wire.stats(stats)
+            first = False
+            if self.output_dead or not 0 <= client_index < len(self.outputs):
+                self.send(client_index, self._client_outputs(client_index, batch, **extra))
+                continue
+            frames = self.wire.encode_outputs(self._client_outputs(client_index, batch, **extra))
+            sock = self.outputs[client_index]
+            if self.output_delay_ms > 0 or self.delayed:
+                self._send_frames(sock, frames)
+                continue
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self.firehose_blocked = (sock, frames)
+                return False
+        return True
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        for sock in self.inputs:
+            poller.register(sock, zmq.POLLIN)
+        if self.coord_in is not None:
+            poller.register(self.coord_in, zmq.POLLIN)
+        if self.control is not None:
+            poller.register(self.control, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        firehose_wait: zmq.Socket[bytes] | None = None
+        while True:
+            if self.shutdown_requested and not self.shutdown_handled:
+                self._begin_shutdown()
+            if self.shutdown_handled and not self.scheduler.has_unfinished() and not (
+                self.firehose
+            ):
+                self._flush_delayed_blocking()
+                return
+            busy = not self.stalled and (
+                self.scheduler.has_schedulable()
+                or (bool(self.firehose) and self.firehose_blocked is None)
+                or (self.options.moe and self.engines_running)
+            )
+            if busy:
+                timeout: int | None = 0
+            elif self.delayed and not self.stalled:
+                timeout = int(max(0.0, self.delayed[0][0] - time.monotonic()) * 1000) + 1
+            else:
+                timeout = None
+            if firehose_wait is None and self.firehose_blocked is not None and not self.stalled:
+                firehose_wait = self.firehose_blocked[0]
+                poller.register(firehose_wait, zmq.POLLOUT)
+            events = dict(poller.poll(timeout))
+            if firehose_wait is not None and events.get(firehose_wait, 0) & zmq.POLLOUT:
+                poller.unregister(firehose_wait)
+                firehose_wait = None
+            if self._wake_r.fileno() in events or self._wake_r in events:
+                self._drain_wake()
+            if self.control is not None and self.control in events:
+                self._serve_control()
+            if self.stalled:
+                if self.shutdown_requested:
+                    raise _Stop(0)
+                continue
+            if not self.input_dead:
+                self._drain_inputs()
+            if self.coord_in is not None and self.coord_in in events:
+                self._drain_coordinator()
+            self._flush_delayed()
+            self._complete_deferred()
+            if self.options.moe and not self.engines_running and (
+                self.scheduler.has_unfinished() or self.firehose
+            ):
+                self.engines_running = True
+                self.wave_steps = 0
+                if self.rank == 0 and self.coord_out is not None:
+                    self.send(-1, self.wire.outputs(engine_index=self.rank,
+                                                     start_wave=self.scheduler.current_wave))
+            stepped = False
+            if self.scheduler.has_schedulable():
+                result = self.scheduler.step()
+                self.steps += 1
+                self._send_step(result)
+                stepped = True
+            elif self.firehose:
+                stepped = self._firehose_step()
+            elif self.options.moe and self.engines_running:
+                self.run_dummy_batch()
+            if self.options.moe and self.engines_running:
+                self._wave_after_step()
+            self._publish_counts()
+            self._complete_deferred()
+            if stepped:
+                self._after_step_faults()
+
+    def _flush_delayed_blocking(self) -> None:
+        while self.delayed:
+            wait = self.delayed[0][0] - time.monotonic()
+            if wait > 0:
+                time.sleep(min(wait, 0.5))
+            self._flush_delayed()
+
+    def _drain_coordinator(self) -> None:
+        assert self.coord_in is not None
+        while True:
+            try:
+                frames = self.coord_in.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if frames == [b"READY"]:
+                continue
+            try:
+                kind, payload = self.wire.decode_input([memoryview(f) for f in frames])
+            except WireError as exc:
+                _log(f"ignoring undecodable coordinator message: {exc}")
+                continue
+            if kind == "start_dp_wave":
+                self._handle_start_wave(*payload)
+
+
+def run_engine(options: EngineOptions) -> int:
+    """Run an engine process to completion; returns its exit status."""
+    return EngineServer(options).run()
