@@ -140,6 +140,8 @@ class EngineCoreClient:
         self._dead_cause: BaseException | None = None
         self._dead_event = anyio.Event()
         self._closing = False
+        self._processes: list[EngineProcess] = []
+        self._addresses: dict[str, str] = {}
 
     # ------------------------------------------------------------------ properties
 
@@ -168,6 +170,16 @@ class EngineCoreClient:
         """The smallest ``max_model_len`` any engine reported, if any did."""
         lens = [v["max_model_len"] for v in self._ready_responses.values() if "max_model_len" in v]
         return min(lens) if lens else None
+
+    @property
+    def engine_pids(self) -> dict[int, int]:
+        """Rank -> pid of each engine process this client spawned (none for external)."""
+        return {rank: p.pid for p in self._processes for rank in p.ranks}
+
+    @property
+    def addresses(self) -> dict[str, str]:
+        """The endpoints this client bound: ``input``, ``output``, ``handshake``."""
+        return dict(self._addresses)
 
     @property
     def dead(self) -> bool:
@@ -909,6 +921,7 @@ async def open_client(
                     vllm_version=complete.vllm_version,
                     allow_insecure_serialization=allow_insecure_serialization,
                 )
+                wire.set_limits(complete.ready_responses)
                 client = EngineCoreClient(
                     input_socket=input_socket,
                     ranks=ranks,
@@ -916,6 +929,12 @@ async def open_client(
                     wire=wire,
                     stream_buffer=stream_buffer,
                 )
+                client._processes = list(processes)
+                client._addresses = {
+                    "input": input_address,
+                    "output": output_address,
+                    "handshake": handshake_address,
+                }
                 started_client.append(client)
                 # An engine may have exited between READY and now.
                 for process in processes:

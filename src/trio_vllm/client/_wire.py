@@ -15,9 +15,10 @@ import msgspec
 from ..protocol.codec import ClientCodec
 from ..protocol.profiles import ProtocolProfile, newest_profile, profile_for_version
 from ..protocol.structs import EngineCoreDead, EngineCoreOutputs, EngineCoreRequest, UtilityOutput
+from ..protocol.validation import validate_request
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
 __all__ = ["Wire"]
 
@@ -35,6 +36,8 @@ class Wire:
         self.profile = profile
         self.vllm_version = vllm_version
         self.allow_insecure_serialization = allow_insecure_serialization
+        self.max_model_len: int | None = None
+        self.supports_lora: bool | None = None
         self._codec = ClientCodec(
             profile, allow_insecure_serialization=allow_insecure_serialization
         )
@@ -80,9 +83,23 @@ class Wire:
         if request.client_index != 0:
             raise ValueError("client_index must be 0 (this client is the only frontend)")
 
+    def set_limits(self, ready_responses: Mapping[int, Mapping[str, Any]]) -> None:
+        """Take the engines' limits from their ready responses (for validation)."""
+        lens = [r["max_model_len"] for r in ready_responses.values() if "max_model_len" in r]
+        self.max_model_len = min(lens) if lens else None
+        lora = [r["supports_lora"] for r in ready_responses.values() if "supports_lora" in r]
+        self.supports_lora = all(lora) if lora else None
+
     def encode_add(self, request: EngineCoreRequest) -> list[Any]:
         """Validate and encode an ADD (``ValueError`` before any byte is produced)."""
-        return self._codec.encode_add(request)
+        validate_request(
+            request,
+            profile=self.profile,
+            max_model_len=self.max_model_len,
+            supports_lora=self.supports_lora,
+            num_clients=1,
+        )
+        return self._codec.encode_add(request, validate=False)
 
     def encode_abort(self, request_ids: Sequence[str]) -> list[Any]:
         return self._codec.encode_abort(request_ids)
