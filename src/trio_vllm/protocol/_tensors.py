@@ -175,7 +175,9 @@ def resolve_buffer(data: Any, aux: list[Any] | None) -> memoryview:
         return memoryview(aux[data]).cast("B")
     if isinstance(data, dict):
         raise ValueError("shared-memory tensor handles (mm_tensor_ipc) cannot cross the wire")
-    raise ValueError(f"tensor data must be ext type 3 or an aux frame index, got {type(data).__name__}")
+    raise ValueError(
+        f"tensor data must be ext type 3 or an aux frame index, got {type(data).__name__}"
+    )
 
 
 def _numpy_dtype(name: str) -> np.dtype[Any]:
@@ -264,7 +266,7 @@ def tensor_parts(obj: Any, *, torch_layout: bool) -> tuple[str, list[int], memor
             if name not in _NUMPY_TO_TORCH:
                 raise TypeError(f"ndarray dtype {name} has no torch equivalent")
             name = _NUMPY_TO_TORCH[name]
-        return name, list(arr.shape), memoryview(arr.reshape(-1).view(np.uint8))
+        return name, list(arr.shape), arr.reshape(-1).view(np.uint8).data
     torch = _get_torch()
     if torch is not None and isinstance(obj, torch.Tensor):
         t = obj.detach()
@@ -297,7 +299,8 @@ def describe(obj: Any) -> dict[str, Any]:
             return {"dtype": obj.dtype, "shape": list(obj.shape), "values": None}
         obj = obj.to_torch()
     if isinstance(obj, np.ndarray):
-        return {"dtype": obj.dtype.str, "shape": list(obj.shape), "values": obj.reshape(-1).tolist()}
+        values = obj.reshape(-1).tolist()
+        return {"dtype": obj.dtype.str, "shape": list(obj.shape), "values": values}
     torch = _get_torch()
     if torch is not None and isinstance(obj, torch.Tensor):
         flat = obj.reshape(-1)

@@ -27,7 +27,6 @@ arrays/tensors passed in: do not modify those until the frames are sent.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import msgspec
@@ -51,15 +50,18 @@ from .structs import (
     LogprobsTensors,
     LoRARequest,
     PoolingParams,
+    PrefillStats,
+    PrefixCacheStats,
     RequestType,
     SamplingParams,
+    SchedulerStats,
     StartDPWave,
     UtilityCall,
 )
 from .validation import validate_request
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable, Sequence
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
@@ -104,6 +106,14 @@ def _buf(frame: Frame) -> Any:
     if isinstance(inner, memoryview):
         return inner
     return memoryview(frame)
+
+
+def _positional(args: object) -> bool:
+    return isinstance(args, (list, tuple))
+
+
+def _nonempty_str(x: object) -> bool:
+    return isinstance(x, str) and bool(x)
 
 
 # ---- per-profile layout conversion ------------------------------------------------------
@@ -156,6 +166,16 @@ def _wire_class(
     )
 
 
+
+def _positions(cls: type[msgspec.Struct]) -> dict[str, int]:
+    return {name: i for i, name in enumerate(_names(cls))}
+
+
+_REQ: Final = _positions(EngineCoreRequest)
+_OUT: Final = _positions(EngineCoreOutput)
+_OUTS: Final = _positions(EngineCoreOutputs)
+
+
 class _Layouts:
     """Everything a codec needs to speak one profile's layouts (built once per profile)."""
 
@@ -180,6 +200,29 @@ class _Layouts:
                 omit_defaults=True,
             )
         self.sampling_keys = sampling_keys
+        # Map-encoded output records: an older release has fewer keys (engine side).
+        version = profile.vllm_version
+        self.prefix_keys = profile.map_keys["PrefixCacheStats"]
+        self.prefix_cls: type[msgspec.Struct] | None = None
+        if self.prefix_keys != _names(PrefixCacheStats):
+            self.prefix_cls = _wire_class(
+                PrefixCacheStats, self.prefix_keys, name=f"PrefixCacheStats_{version}",
+                array_like=False,
+            )
+        self.stats_keys = profile.map_keys["SchedulerStats"]
+        self.stats_cls: type[msgspec.Struct] | None = None
+        if self.stats_keys != _names(SchedulerStats) or self.prefix_cls is not None:
+            self.stats_cls = _wire_class(
+                SchedulerStats, self.stats_keys, name=f"SchedulerStats_{version}",
+                array_like=False,
+            )
+        self.prefill_keys = profile.map_keys["PrefillStats"]
+        self.prefill_cls: type[msgspec.Struct] | None = None
+        if self.prefill_keys != _names(PrefillStats):
+            self.prefill_cls = _wire_class(
+                PrefillStats, self.prefill_keys, name=f"PrefillStats_{version}",
+                array_like=False,
+            )
 
         # Decoding: the canonical classes read every layout that is a prefix of theirs
         # (appended fields only). Otherwise decode into generated wire classes and convert.
@@ -233,6 +276,20 @@ class _Layouts:
             return params
         return self.sampling_cls(**{k: getattr(params, k) for k in self.sampling_keys})
 
+    def _prefix(self, stats: PrefixCacheStats | None) -> Any:
+        if stats is None or self.prefix_cls is None:
+            return stats
+        return self.prefix_cls(**{k: getattr(stats, k) for k in self.prefix_keys})
+
+    def scheduler_stats(self, stats: SchedulerStats) -> Any:
+        if self.stats_cls is None:
+            return stats
+        values = {k: getattr(stats, k) for k in self.stats_keys}
+        for key in ("prefix_cache_stats", "connector_prefix_cache_stats"):
+            if key in values:
+                values[key] = self._prefix(values[key])
+        return self.stats_cls(**values)
+
     def lp_tensors(self, lp: LogprobsTensors) -> Any:
         lp = _torch_layout_fields(
             lp, ("logprob_token_ids", "logprobs", "selected_token_ranks",
@@ -258,13 +315,13 @@ class _Layouts:
             return req
         values = list(msgspec.structs.astuple(req))
         if sp is not None:
-            values[3] = self.sampling(sp)
+            values[_REQ['sampling_params']] = self.sampling(sp)
         if pp is not None:
-            values[4] = self.pooling(pp)
+            values[_REQ['pooling_params']] = self.pooling(pp)
         if lora is not None:
-            values[6] = self.lora(lora)
+            values[_REQ['lora_request']] = self.lora(lora)
         if isinstance(embeds, np.ndarray):
-            values[9] = _as_torch_layout(embeds)
+            values[_REQ['prompt_embeds']] = _as_torch_layout(embeds)
         if self.request_idx is not None:
             return [values[i] for i in self.request_idx]
         return values
@@ -273,20 +330,26 @@ class _Layouts:
         lp = out.new_prompt_logprobs_tensors
         pooled = out.pooling_output
         scored = out.prompt_token_id_logprobs
+        prefill = out.prefill_stats
         special = (
             lp is not None
             or isinstance(pooled, np.ndarray)
             or isinstance(scored, np.ndarray)
+            or (prefill is not None and self.prefill_cls is not None)
         )
         if self.output_idx is None and not special:
             return out
         values = list(msgspec.structs.astuple(out))
         if lp is not None:
-            values[3] = self.lp_tensors(lp)
+            values[_OUT['new_prompt_logprobs_tensors']] = self.lp_tensors(lp)
         if isinstance(pooled, np.ndarray):
-            values[4] = _as_torch_layout(pooled)
+            values[_OUT['pooling_output']] = _as_torch_layout(pooled)
         if isinstance(scored, np.ndarray):
-            values[17] = _as_torch_layout(scored)
+            values[_OUT['prompt_token_id_logprobs']] = _as_torch_layout(scored)
+        if prefill is not None and self.prefill_cls is not None:
+            values[_OUT['prefill_stats']] = self.prefill_cls(
+                **{k: getattr(prefill, k) for k in self.prefill_keys}
+            )
         if self.output_idx is None:
             return values
         return [values[i] for i in self.output_idx]
@@ -294,10 +357,14 @@ class _Layouts:
     def outputs(self, outs: EngineCoreOutputs) -> Any:
         converted = [self.output(o) for o in outs.outputs]
         same = all(c is o for c, o in zip(converted, outs.outputs, strict=True))
-        if self.outputs_idx is None and same:
+        stats = outs.scheduler_stats
+        convert_stats = stats is not None and self.stats_cls is not None
+        if self.outputs_idx is None and same and not convert_stats:
             return outs
         values = list(msgspec.structs.astuple(outs))
-        values[1] = converted
+        values[_OUTS['outputs']] = converted
+        if stats is not None and convert_stats:
+            values[_OUTS['scheduler_stats']] = self.scheduler_stats(stats)
         if self.outputs_idx is None:
             return values
         return [values[i] for i in self.outputs_idx]
@@ -399,7 +466,7 @@ class _CodecBase:
                     f"refusing a {kind} payload (msgpack extension type {code}); pass "
                     "allow_insecure_serialization=True only for engines you fully trust"
                 )
-            return pickle.loads(data)  # noqa: S301 - explicitly allowed by the caller
+            return pickle.loads(data)
         raise ValueError(f"msgpack extension type {code} is not supported")
 
     def _decoder(self, tp: Any) -> msgspec.msgpack.Decoder[Any]:
@@ -455,7 +522,9 @@ class ClientCodec(_CodecBase):
 
     # ---- encoding (client -> engine) ----------------------------------------------------
 
-    def encode_add(self, request: EngineCoreRequest, *, validate: bool = True) -> list[OutgoingFrame]:
+    def encode_add(
+        self, request: EngineCoreRequest, *, validate: bool = True
+    ) -> list[OutgoingFrame]:
         """``[ADD][EngineCoreRequest][aux...]`` for ``request``.
 
         Validates first (``ValueError`` for anything that would wedge or kill a stock
@@ -496,9 +565,9 @@ class ClientCodec(_CodecBase):
             raise ValueError(f"call_id must be an int in [-2**63, 2**64), got {call_id!r}")
         if call_id in self.profile.reserved_call_ids:
             raise ValueError(f"call_id {call_id} is reserved for engine notifications")
-        if not isinstance(method, str) or not method:
+        if not _nonempty_str(method):
             raise ValueError(f"method must be a non-empty str, got {method!r}")
-        if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        if not _positional(args):
             raise ValueError("args must be a sequence of positional arguments")
         wire_args = [self._utility_arg(a) for a in args]
         try:
@@ -558,7 +627,7 @@ class ClientCodec(_CodecBase):
         utility = out.utility_output
         if utility is not None and utility.result is not None:
             self._check_utility_result(utility.result)
-        return out
+        return out  # type: ignore[no-any-return]
 
     def _check_utility_result(self, result: Any) -> None:
         if result.type_info is None:
@@ -642,7 +711,9 @@ class EngineCodec(_CodecBase):
             head = bytes(_buf(frames[0]))
             kind = _TYPE_BYTES.get(head)
             if kind is None or kind in (RequestType.EXECUTOR_FAILED, RequestType.WAKEUP):
-                raise ProtocolError(f"unknown or internal request type byte {head.hex() or '(empty)'}")
+                raise ProtocolError(
+                    f"unknown or internal request type byte {head.hex() or '(empty)'}"
+                )
             what = kind.name
             self._aux_in = [_buf(f) for f in frames[1:]]
             main = self._aux_in[0]

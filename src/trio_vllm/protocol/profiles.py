@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from .._exceptions import ProtocolError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 __all__ = [
     "PROFILES",
@@ -51,7 +53,6 @@ class ProtocolProfile:
     utility_arity: Mapping[str, tuple[int, int]]
     requested_version: str = ""
     fallback: bool = False
-    _key: tuple[int, int, int] = field(default=(0, 0, 0), repr=False, compare=False)
 
     @property
     def version_tuple(self) -> tuple[int, int, int]:

@@ -240,11 +240,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     def __post_init__(self) -> None:
         # Mirrors vLLM's SamplingParams.__post_init__ so the same inputs give the same
         # bytes (the engine runs the same normalization again on decode).
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
-                     "temperature", "top_p", "min_p"):
+        # msgspec omits a default by identity, so a value equal to the default (0.0 read
+        # from JSON, an int 1) is replaced by the default object itself.
+        for name, default in _FLOAT_DEFAULTS:
             value = getattr(self, name)
             if type(value) is int:
-                setattr(self, name, float(value))
+                value = float(value)
+                setattr(self, name, value)
+            if value == default and type(value) is float:
+                setattr(self, name, default)
+        if type(self.output_kind) is int and 0 <= self.output_kind <= 2:
+            self.output_kind = RequestOutputKind(self.output_kind)
         if 0 < self.temperature < _MIN_TEMPERATURE:
             self.temperature = _MIN_TEMPERATURE
         if self.seed == -1:
@@ -266,18 +272,30 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if self.stop and not self.include_stop_str_in_output:
             self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
         if self.temperature < _SAMPLING_EPS:
-            self.top_p = 1.0
+            self.top_p = _DEFAULT_TOP_P
             self.top_k = 0
-            self.min_p = 0.0
+            self.min_p = _DEFAULT_MIN_P
         if self.stop_token_ids:
             self._all_stop_token_ids.update(self.stop_token_ids)
         if self.skip_reading_prefix_cache is None:
             self.skip_reading_prefix_cache = self.prompt_logprobs is not None
 
+
     @property
     def greedy(self) -> bool:
         """Whether this is greedy sampling (temperature below 1e-5)."""
         return self.temperature < _SAMPLING_EPS
+
+
+_FLOAT_DEFAULTS: Final = tuple(
+    (f.name, f.default)
+    for f in msgspec.structs.fields(SamplingParams)
+    if f.name
+    in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+        "min_p")
+)
+_DEFAULT_TOP_P: Final = dict(_FLOAT_DEFAULTS)["top_p"]
+_DEFAULT_MIN_P: Final = dict(_FLOAT_DEFAULTS)["min_p"]
 
 
 class LateInteractionParams(msgspec.Struct, array_like=True):

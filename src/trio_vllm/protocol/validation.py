@@ -17,7 +17,6 @@ one exception: a later ADD with the same id appends input).
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -32,6 +31,8 @@ from .structs import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Collection, Sequence
+
     from .profiles import ProtocolProfile
 
 __all__ = [
@@ -67,6 +68,31 @@ def _is_number(x: object) -> bool:
     return (isinstance(x, (int, float)) and not isinstance(x, bool)) or isinstance(
         x, np.floating | np.integer
     )
+
+
+def _nonempty_str(x: object) -> bool:
+    return isinstance(x, str) and bool(x)
+
+
+def _list_of(x: object, pred: Callable[[object], bool]) -> bool:
+    return isinstance(x, list) and all(pred(item) for item in x)
+
+
+def _str_keyed(x: object) -> bool:
+    return isinstance(x, dict) and all(isinstance(k, str) for k in x)
+
+
+def _str_dict(x: object) -> bool:
+    return isinstance(x, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in x.items()
+    )
+
+
+def _output_kind(x: object) -> bool:
+    return _is_int(x) and x in _OUTPUT_KINDS
+
+
+_OUTPUT_KINDS: Final = frozenset(int(k) for k in RequestOutputKind)
 
 
 def _bad(rid: str, field: str, rule: str, value: object) -> ValueError:
@@ -154,7 +180,7 @@ def validate_sampling_params(
     ):
         raise _bad(rid, "prompt_logprob_token_ids", "must be None or an int ndarray",
                    type(p.prompt_logprob_token_ids).__name__)
-    if not isinstance(p.stop, list) or not all(isinstance(s, str) and s for s in p.stop):
+    if not _list_of(p.stop, _nonempty_str):
         raise _bad(rid, "stop", "must be a list of non-empty strings", p.stop)
     if p.stop and not p.detokenize:
         raise _bad(rid, "stop", "requires detokenize=True", p.stop)
@@ -164,7 +190,7 @@ def validate_sampling_params(
     _check_token_ids(rid, "_all_stop_token_ids", list(p._all_stop_token_ids), vocab_size)
     if p._eos_token_id is not None:
         _check_token_ids(rid, "_eos_token_id", [p._eos_token_id], vocab_size)
-    if not isinstance(p.bad_words, list) or not all(isinstance(w, str) and w for w in p.bad_words):
+    if not _list_of(p.bad_words, _nonempty_str):
         raise _bad(rid, "bad_words", "must be a list of non-empty strings", p.bad_words)
     if p._bad_words_token_ids is not None:
         if not isinstance(p._bad_words_token_ids, list):
@@ -176,7 +202,7 @@ def validate_sampling_params(
         raise _bad(rid, "n", "must be 1 for greedy sampling (temperature 0)", p.n)
     if p.stream_interval is not None and (not _is_int(p.stream_interval) or p.stream_interval < 1):
         raise _bad(rid, "stream_interval", "must be None or an int >= 1", p.stream_interval)
-    if not isinstance(p.output_kind, int) or p.output_kind not in set(RequestOutputKind):
+    if not _output_kind(p.output_kind):
         raise _bad(rid, "output_kind", "must be a RequestOutputKind (0, 1 or 2)", p.output_kind)
     if p.thinking_token_budget is not None and (
         not _is_int(p.thinking_token_budget) or p.thinking_token_budget < 0
@@ -194,7 +220,7 @@ def validate_sampling_params(
         _check_token_ids(rid, "allowed_token_ids", p.allowed_token_ids, vocab_size,
                          allow_empty=False)
     if p.extra_args is not None:
-        if not isinstance(p.extra_args, dict) or not all(isinstance(k, str) for k in p.extra_args):
+        if not _str_keyed(p.extra_args):
             raise _bad(rid, "extra_args", "must be a dict with str keys", p.extra_args)
         _check_ints_in_range(rid, "extra_args", p.extra_args)
     if p.structured_outputs is not None:
@@ -276,7 +302,7 @@ def validate_pooling_params(
     if params.dimensions is not None and (not _is_int(params.dimensions) or params.dimensions < 1):
         raise _bad(rid, "pooling_params.dimensions", "must be None or an int >= 1",
                    params.dimensions)
-    if not isinstance(params.output_kind, int) or params.output_kind not in set(RequestOutputKind):
+    if not _output_kind(params.output_kind):
         raise _bad(rid, "pooling_params.output_kind", "must be a RequestOutputKind",
                    params.output_kind)
 
@@ -293,11 +319,11 @@ def validate_lora_request(
         raise _bad(rid, "lora_request", "must be a LoRARequest", type(lora).__name__)
     if supports_lora is False:
         raise _bad(rid, "lora_request", "needs an engine with LoRA support", lora.lora_name)
-    if not isinstance(lora.lora_name, str) or not lora.lora_name:
+    if not _nonempty_str(lora.lora_name):
         raise _bad(rid, "lora_request.lora_name", "must be a non-empty str", lora.lora_name)
     if not _is_int(lora.lora_int_id) or lora.lora_int_id < 1:
         raise _bad(rid, "lora_request.lora_int_id", "must be an int >= 1", lora.lora_int_id)
-    if not isinstance(lora.lora_path, str) or not lora.lora_path:
+    if not _nonempty_str(lora.lora_path):
         raise _bad(rid, "lora_request.lora_path", "must be a non-empty str", lora.lora_path)
 
 
@@ -323,7 +349,7 @@ def validate_request(
     if not isinstance(request, EngineCoreRequest):
         raise ValueError(f"expected an EngineCoreRequest, got {type(request).__name__}")
     rid = request.request_id
-    if not isinstance(rid, str) or not rid:
+    if not _nonempty_str(rid):
         raise ValueError(f"request_id must be a non-empty str, got {rid!r}")
     sp, pp = request.sampling_params, request.pooling_params
     if (sp is None) == (pp is None):
@@ -346,7 +372,7 @@ def validate_request(
             prompt_len = shape[0]
     if request.prompt_is_token_ids is not None:
         mask = request.prompt_is_token_ids
-        if not isinstance(mask, list) or not all(isinstance(b, bool) for b in mask):
+        if not _list_of(mask, lambda b: isinstance(b, bool)):
             raise _bad(rid, "prompt_is_token_ids", "must be a list of bools", mask)
         if len(mask) != prompt_len:
             raise _bad(rid, "prompt_is_token_ids", f"must have the prompt's length {prompt_len}",
@@ -386,10 +412,7 @@ def validate_request(
         v = getattr(request, name)
         if v is not None and not isinstance(v, str):
             raise _bad(rid, name, "must be None or a str", v)
-    if request.trace_headers is not None and not (
-        isinstance(request.trace_headers, dict)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in request.trace_headers.items())
-    ):
+    if request.trace_headers is not None and not _str_dict(request.trace_headers):
         raise _bad(rid, "trace_headers", "must be a dict of str to str", request.trace_headers)
     for name in ("resumable", "abort_immediately"):
         if not isinstance(getattr(request, name), bool):
