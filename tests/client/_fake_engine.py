@@ -35,6 +35,10 @@ def main() -> None:
     address, rank = sys.argv[1], int(sys.argv[2])
     fault = sys.argv[3] if len(sys.argv) > 3 else ""
     fault_n = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    if fault == "ignore-sigterm":
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if fault == "exit-before-hello":
         print("fake engine: failing before HELLO", file=sys.stderr, flush=True)
         sys.exit(7)

@@ -1,0 +1,160 @@
+"""Nothing outlives ``open_client``: tasks, threads, fds, sockets, processes, ipc files.
+
+Each exit path (return, exception, cancellation, failed startup, cancelled startup)
+is checked against a snapshot taken before the client was opened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import anyio
+import pytest
+import sniffio
+
+from trio_vllm.client import ReferenceEngines, make_request, open_client
+
+from .conftest import FakeEngines, child_pids, open_fds, thread_names
+
+pytestmark = pytest.mark.anyio
+
+
+def live_tasks() -> int:
+    """Tasks alive in the current event loop (trio: walked from the root task)."""
+    if sniffio.current_async_library() == "asyncio":
+        return len(asyncio.all_tasks())
+    import trio
+
+    count = 0
+    stack = [trio.lowlevel.current_root_task()]
+    while stack:
+        task = stack.pop()
+        count += 1
+        for nursery in task.child_nurseries:
+            stack.extend(nursery.child_tasks)
+    return count
+
+
+@dataclass
+class Snapshot:
+    tasks: int
+    threads: set[str]
+    fds: set[int]
+    children: set[int]
+
+    @classmethod
+    async def take(cls) -> Snapshot:
+        # Let finished tasks/threads (asyncio's per-process waitpid threads) wind down.
+        for _ in range(50):
+            await anyio.sleep(0.02)
+            if not any(name.startswith("waitpid") for name in thread_names()):
+                break
+        return cls(live_tasks(), thread_names(), open_fds(), child_pids())
+
+    async def assert_nothing_left(self, pids: list[int], ipc_paths: list[str]) -> None:
+        after = await Snapshot.take()
+        assert after.tasks == self.tasks, "a task outlived open_client"
+        assert after.threads <= self.threads, f"threads left: {after.threads - self.threads}"
+        assert after.fds <= self.fds, f"fds left: {sorted(after.fds - self.fds)}"
+        assert after.children <= self.children, f"children left: {after.children}"
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)  # neither running nor a zombie
+        for path in ipc_paths:
+            assert not _exists(path), f"ipc file left: {path}"
+            assert not _exists(os.path.dirname(path)), "ipc directory left"
+
+
+def _exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def _ipc_paths(addresses: dict[str, str]) -> list[str]:
+    return [a[len("ipc://") :] for a in addresses.values() if a.startswith("ipc://")]
+
+
+async def _warm_up() -> None:
+    # Import-time and first-use allocations (codec tables, zmq) are not leaks.
+    async with (
+        open_client(ReferenceEngines(model="echo"), ready_timeout=30) as client,
+        client.generate(make_request([1], max_tokens=2)) as stream,
+    ):
+        await stream.collect()
+
+
+@pytest.mark.parametrize("how", ["return", "exception", "cancel", "dead-engine"])
+async def test_exit_leaves_nothing(how: str) -> None:
+    await _warm_up()
+    before = await Snapshot.take()
+    seen: dict[str, object] = {}
+
+    async def body() -> None:
+        async with open_client(ReferenceEngines(2, model="echo"), ready_timeout=30) as client:
+            seen["pids"] = list(client.engine_pids.values())
+            seen["ipc"] = _ipc_paths(client.addresses)
+            assert all(_exists(p) for p in seen["ipc"])  # type: ignore[attr-defined]
+            async with client.generate(make_request([1, 2], max_tokens=1000)) as stream:
+                await stream.receive()
+                if how == "exception":
+                    raise LookupError("user code failed")
+                if how == "cancel":
+                    raise_cancel.cancel()
+                    await anyio.sleep(10)
+                if how == "dead-engine":
+                    os.kill(client.engine_pids[0], signal.SIGKILL)
+                    await client.wait_dead()
+
+    with anyio.fail_after(30):
+        with anyio.CancelScope() as raise_cancel:
+            if how == "exception":
+                with pytest.raises(LookupError, match="user code failed"):
+                    await body()
+            else:
+                await body()
+    if how == "cancel":
+        assert raise_cancel.cancelled_caught
+    await before.assert_nothing_left(seen["pids"], seen["ipc"])  # type: ignore[arg-type]
+
+
+async def test_failed_startup_leaves_nothing() -> None:
+    await _warm_up()
+    before = await Snapshot.take()
+    engines = ReferenceEngines(model="echo", faults=["--crash-on-startup", "boom"])
+    with pytest.raises(Exception, match="boom"):
+        async with open_client(engines, ready_timeout=30):
+            pytest.fail("must not start")
+    await before.assert_nothing_left([], [])
+
+
+async def test_cancelled_startup_leaves_nothing() -> None:
+    await _warm_up()
+    before = await Snapshot.take()
+    engines = ReferenceEngines(2, model="echo", faults=["--startup-delay", "30"])
+    start = time.monotonic()
+    with anyio.move_on_after(1.0) as scope:
+        async with open_client(engines, ready_timeout=60):
+            pytest.fail("must not start")
+    assert scope.cancelled_caught
+    assert time.monotonic() - start < 8
+    await before.assert_nothing_left([], [])
+
+
+async def test_engine_ignoring_sigterm_is_killed_after_grace() -> None:
+    await _warm_up()
+    before = await Snapshot.take()
+    async with open_client(FakeEngines("ignore-sigterm"), shutdown_grace=0.5) as client:
+        pids = list(client.engine_pids.values())
+        start = time.monotonic()
+    elapsed = time.monotonic() - start
+    assert 0.45 < elapsed < 5, elapsed
+    await before.assert_nothing_left(pids, [])
+
+
+async def test_exception_is_not_wrapped_in_a_group() -> None:
+    with pytest.raises(ZeroDivisionError):
+        async with open_client(ReferenceEngines(model="echo"), ready_timeout=30):
+            1 / 0  # noqa: B018
