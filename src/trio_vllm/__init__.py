@@ -15,3 +15,14 @@ from ._exceptions import TrioVllmError as TrioVllmError
 from ._exceptions import UnroutableError as UnroutableError
 from ._exceptions import UtilityCallError as UtilityCallError
 from ._version import __version__ as __version__
+from .client import EngineCoreClient as EngineCoreClient
+from .client import EngineSource as EngineSource
+from .client import ExternalEngines as ExternalEngines
+from .client import ReferenceEngines as ReferenceEngines
+from .client import RequestStream as RequestStream
+from .client import StartupProgress as StartupProgress
+from .client import VllmEngines as VllmEngines
+from .client import make_request as make_request
+from .client import new_request_id as new_request_id
+from .client import open_client as open_client
+from .client import prepare_sampling_params as prepare_sampling_params
