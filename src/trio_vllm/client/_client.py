@@ -50,6 +50,7 @@ from ._wire import Wire
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 
+    from ..protocol.profiles import ProtocolProfile
     from ._engines import EngineSource
     from ._process import EngineProcess
 
@@ -810,7 +811,7 @@ async def open_client(
     engines: EngineSource,
     *,
     ready_timeout: float | None = None,
-    profile: Any = None,
+    profile: ProtocolProfile | str | None = None,
     allow_insecure_serialization: bool = False,
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     stream_buffer: int = 64,
@@ -916,11 +917,17 @@ async def open_client(
                     raise error from cause
                 complete = startup.complete
                 handshake_socket.close()
-                wire = Wire.create(
-                    profile=profile,
-                    vllm_version=complete.vllm_version,
-                    allow_insecure_serialization=allow_insecure_serialization,
-                )
+                try:
+                    wire = Wire.create(
+                        profile=profile,
+                        vllm_version=complete.vllm_version,
+                        allow_insecure_serialization=allow_insecure_serialization,
+                    )
+                except ProtocolError as exc:
+                    raise EngineStartupError(
+                        f"cannot talk to {engines.describe()}: {exc}. Pin a profile with "
+                        "open_client(profile=...) only if you know the wire layout matches."
+                    ) from exc
                 wire.set_limits(complete.ready_responses)
                 client = EngineCoreClient(
                     input_socket=input_socket,
