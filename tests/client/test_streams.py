@@ -1,0 +1,146 @@
+"""RequestStream buffering, coalescing and cancellation; request preparation helpers."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+from trio_vllm import EngineDeadError
+from trio_vllm.client import make_request, new_request_id, prepare_sampling_params
+from trio_vllm.client._streams import RequestStream, coalesce_outputs
+from trio_vllm.protocol.structs import (
+    EngineCoreEvent,
+    EngineCoreOutput,
+    LogprobsLists,
+    SamplingParams,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+def _out(tokens: list[int], finish: int | None = None, **kw: object) -> EngineCoreOutput:
+    return EngineCoreOutput("r", tokens, finish_reason=finish, **kw)  # type: ignore[arg-type]
+
+
+def _lp(tokens: list[int]) -> LogprobsLists:
+    n = len(tokens)
+    ids = np.array([[t, 0] for t in tokens], dtype=np.int32)
+    return LogprobsLists(ids, np.full((n, 2), -1.0, dtype=np.float32), np.ones(n, dtype=np.int64))
+
+
+def test_coalesce_merges_deltas() -> None:
+    a = _out([1, 2], new_logprobs=_lp([1, 2]), num_nans_in_logits=1,
+             events=[EngineCoreEvent(1, 0.5)])  # fmt: skip
+    b = _out([3], 1, new_logprobs=_lp([3]), num_nans_in_logits=2, stop_reason=None,
+             events=[EngineCoreEvent(2, 0.7)])  # fmt: skip
+    merged = coalesce_outputs(a, b)
+    assert merged.new_token_ids == [1, 2, 3]
+    assert merged.finish_reason == 1
+    assert merged.num_nans_in_logits == 3
+    assert [e.type for e in merged.events] == [1, 2]
+    assert merged.new_logprobs.logprob_token_ids[:, 0].tolist() == [1, 2, 3]
+    assert merged.new_logprobs.logprobs.shape == (3, 2)
+    assert merged.new_logprobs.sampled_token_ranks.shape == (3,)
+
+
+async def test_stream_bounded_and_lossless() -> None:
+    stream = RequestStream("r", 0, max_pending=3)
+    for i in range(100):
+        stream._deliver(_out([i], 1 if i == 99 else None))
+    assert len(stream._pending) == 3
+    assert stream.coalesced == 97
+    assert stream.finished
+    assert await stream.collect() == list(range(100))
+    assert stream.finish_reason == 1
+    stream._deliver(_out([1000]))  # late output after finish: ignored
+    with pytest.raises(anyio.EndOfStream):
+        await stream.receive()
+
+
+async def test_cancelled_receive_consumes_nothing() -> None:
+    stream = RequestStream("r", 0)
+    stream._deliver(_out([7]))
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await stream.receive()
+    assert scope.cancelled_caught
+    assert (await stream.receive()).new_token_ids == [7]
+
+
+async def test_error_after_buffered_outputs() -> None:
+    stream = RequestStream("r", 0)
+    stream._deliver(_out([1]))
+    stream._fail(lambda: EngineDeadError("gone"))
+    assert (await stream.receive()).new_token_ids == [1]
+    with pytest.raises(EngineDeadError, match="gone"):
+        await stream.receive()
+
+
+async def test_waiting_consumer_is_woken_by_failure() -> None:
+    stream = RequestStream("r", 0)
+
+    async def fail_later() -> None:
+        await anyio.sleep(0.05)
+        stream._fail(lambda: EngineDeadError("x"))
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fail_later)
+            with pytest.raises(EngineDeadError):
+                await stream.receive()
+
+
+async def test_local_abort_ends_iteration() -> None:
+    stream = RequestStream("r", 0)
+    stream._deliver(_out([1]))
+    stream._abort_locally()
+    assert [o async for o in stream] == []
+    assert stream.aborted
+
+
+def test_make_request_defaults() -> None:
+    req = make_request([5, 6], eos_token_id=2, stop_token_ids=[9])
+    assert req.request_id.startswith("req-")
+    assert req.arrival_time > 1.7e9
+    sp = req.sampling_params
+    assert sp is not None
+    assert sp.max_tokens == 16
+    assert sp.temperature == 0.0
+    assert sp._eos_token_id == 2
+    assert sp._all_stop_token_ids == {2, 9}
+    assert sp.stop_token_ids == [9]
+    assert sp.n == 1
+
+
+def test_make_request_ignore_eos_and_extra_eos() -> None:
+    req = make_request([5], eos_token_id=2, extra_eos_token_ids=[3], ignore_eos=True)
+    sp = req.sampling_params
+    assert sp is not None
+    assert sp._eos_token_id is None
+    assert sp._all_stop_token_ids == {3}
+    assert sp.stop_token_ids == []
+    req = make_request([5], eos_token_id=2, extra_eos_token_ids=[3])
+    assert req.sampling_params is not None
+    assert req.sampling_params.stop_token_ids == [3]
+    assert req.sampling_params._all_stop_token_ids == {2, 3}
+
+
+def test_max_tokens_default_from_context() -> None:
+    req = make_request([1, 2, 3], max_tokens=None, max_model_len=10)
+    assert req.sampling_params is not None
+    assert req.sampling_params.max_tokens == 7
+    with pytest.raises(ValueError, match="max_tokens is None"):
+        make_request([1], max_tokens=None)
+    with pytest.raises(ValueError, match="does not fit"):
+        make_request([1] * 10, max_model_len=10)
+    with pytest.raises(ValueError, match="empty"):
+        make_request([])
+    with pytest.raises(ValueError, match="n must be 1"):
+        prepare_sampling_params(SamplingParams(n=2, max_tokens=3))
+
+
+def test_request_ids_are_unique() -> None:
+    ids = {new_request_id() for _ in range(1000)}
+    assert len(ids) == 1000
+    assert new_request_id("x").startswith("x-")
