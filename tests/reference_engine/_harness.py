@@ -140,6 +140,7 @@ class Frontend:
         self.ready: HandshakeReady | None = None
         self.ready_response: EngineCoreReadyResponse | None = None
         self.pending: list[EngineCoreOutputs] = []
+        self.replies: dict[int, tuple[str | None, Any]] = {}
         self._call_ids = itertools.count(100)
         self.start_time = 0.0
         self.stderr_path = tempfile.mktemp(prefix="tv-ref-stderr-")
@@ -284,13 +285,21 @@ class Frontend:
     def wait_reply(self, call_id: int, *, client: int = 0,
                    timeout: float = DEFAULT_TIMEOUT) -> tuple[str | None, Any]:
         deadline = time.monotonic() + timeout
-        while True:
+        while call_id not in self.replies:
             out = self.recv(max(0.0, deadline - time.monotonic()), client)
             assert isinstance(out, EngineCoreOutputs), out
-            u = out.utility_output
-            if u is not None and u.call_id == call_id:
-                return u.failure_message, (u.result.result if u.result is not None else None)
-            self.pending.append(out)
+            if not self._take_reply(out):
+                self.pending.append(out)
+        return self.replies.pop(call_id)
+
+    def _take_reply(self, out: EngineCoreOutputs) -> bool:
+        u = out.utility_output
+        if u is None:
+            return False
+        self.replies[u.call_id] = (
+            u.failure_message, u.result.result if u.result is not None else None
+        )
+        return True
 
     def collect(self, ids: list[str], timeout: float = DEFAULT_TIMEOUT,
                 client: int = 0) -> dict[str, Collected]:
@@ -304,6 +313,7 @@ class Frontend:
             else:
                 out = self.recv(max(0.0, deadline - time.monotonic()), client)
             assert isinstance(out, EngineCoreOutputs), out
+            self._take_reply(out)
             for o in out.outputs:
                 if o.request_id not in results:
                     continue
