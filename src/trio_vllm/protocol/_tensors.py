@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import math
+import sys
 import warnings
 from typing import Any, Final
 
@@ -35,6 +36,14 @@ def _get_torch() -> Any:
             _torch = torch
             TensorLike.register(torch.Tensor)
     return _torch
+
+
+def is_torch_tensor(obj: object) -> bool:
+    """Whether ``obj`` is a torch tensor, without importing torch if nobody else has."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    return _get_torch() is not None and isinstance(obj, torch.Tensor)
 
 
 def torch_available() -> bool:
@@ -80,6 +89,16 @@ class RawTensor:
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+    def to_numpy(self) -> np.ndarray[Any, Any]:
+        """The values as an ndarray (copies); bfloat16 is widened to float32."""
+        if self.dtype == "bfloat16":
+            bits = np.frombuffer(self.data, dtype="<u2").astype(np.uint32) << 16
+            return bits.view(np.float32).reshape(self.shape)
+        if self.dtype not in _TORCH_TO_NUMPY:
+            raise TypeError(f"{self.dtype} has no numpy equivalent")
+        arr = np.frombuffer(self.data, dtype=_TORCH_TO_NUMPY[self.dtype])
+        return arr.reshape(self.shape).copy()
 
     def to_torch(self) -> Any:
         """Convert to a torch tensor (copies; needs torch)."""
@@ -294,10 +313,11 @@ _LITTLE: Final = np.little_endian
 def describe(obj: Any) -> dict[str, Any]:
     """``{dtype, shape, values}`` of a decoded tensor/array (for wire checks and tests)."""
     if isinstance(obj, RawTensor):
-        torch = _get_torch()
-        if torch is None:
-            return {"dtype": obj.dtype, "shape": list(obj.shape), "values": None}
-        obj = obj.to_torch()
+        try:
+            values = obj.to_numpy().reshape(-1).tolist()
+        except TypeError:
+            values = None
+        return {"dtype": obj.dtype, "shape": list(obj.shape), "values": values}
     if isinstance(obj, np.ndarray):
         values = obj.reshape(-1).tolist()
         return {"dtype": obj.dtype.str, "shape": list(obj.shape), "values": values}

@@ -438,10 +438,10 @@ class _CodecBase:
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
             torch_layout = False
-        elif isinstance(obj, (RawTensor, TensorLike)):
+        elif isinstance(obj, (RawTensor, TensorLike)) or _tensors.is_torch_tensor(obj):
             torch_layout = True
         else:
-            raise NotImplementedError(f"cannot encode objects of type {type(obj).__name__}")
+            raise TypeError(f"cannot encode objects of type {type(obj).__name__}")
         name, shape, data = tensor_parts(obj, torch_layout=torch_layout)
         scalar = isinstance(obj, np.ndarray) and obj.ndim == 0
         if data.nbytes < self.inline_threshold or scalar:
