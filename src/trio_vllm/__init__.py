@@ -26,3 +26,5 @@ from .client import make_request as make_request
 from .client import new_request_id as new_request_id
 from .client import open_client as open_client
 from .client import prepare_sampling_params as prepare_sampling_params
+from .sync import SyncClient as SyncClient
+from .sync import SyncRequestStream as SyncRequestStream

@@ -1,0 +1,493 @@
+"""A blocking facade over the async client, with vLLM's ``SyncMPClient`` shape.
+
+:class:`SyncClient` runs :func:`~trio_vllm.client.open_client` on trio (or asyncio) in
+one background thread, reached through an anyio blocking portal, and exposes the raw
+API (:meth:`~SyncClient.add_request`, a blocking :meth:`~SyncClient.get_output`,
+:meth:`~SyncClient.abort_requests`, utilities) plus a :meth:`~SyncClient.generate`
+iterator::
+
+    with trio_vllm.SyncClient(trio_vllm.ReferenceEngines()) as client:
+        for output in client.generate(make_request([104, 105], max_tokens=8)):
+            print(output.new_token_ids)
+
+The thread exists only between ``__enter__`` and ``__exit__``: leaving the ``with``
+block closes every open stream (aborting its request), exits ``open_client`` (engines
+stopped, sockets closed) and joins the thread, whatever the exit path. Engine death
+raises :class:`~trio_vllm.EngineDeadError` in the calling thread.
+
+A ``KeyboardInterrupt`` (or any exception) raised in the calling thread while it
+waits on a call cancels that call in the event loop, so it leaves nothing behind.
+Methods may be called from several threads at once; one stream should be consumed by
+one thread at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Final, TypeVar, final
+
+import anyio
+import anyio.from_thread
+
+from .client import open_client
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+    from types import TracebackType
+
+    from .client import EngineCoreClient, EngineSource, RequestStream
+
+__all__ = ["SyncClient", "SyncRequestStream"]
+
+T = TypeVar("T")
+_END: Final = object()
+
+
+async def _next_or_end(stream: RequestStream) -> Any:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
+@final
+class SyncRequestStream:
+    """The outputs of one request, as a blocking iterator; from :meth:`SyncClient.generate`.
+
+    The request is sent when :meth:`SyncClient.generate` returns. ``next()`` blocks
+    until the next output (one per engine step, or coalesced; see
+    :class:`~trio_vllm.RequestStream`) and stops after the final one. Closing the stream
+    before that, by :meth:`close`, leaving ``with stream:``, breaking out of a ``for``
+    loop over ``client.generate(...)`` (CPython finalizes the dropped stream at once) or
+    closing the client, aborts the request on the engine.
+
+    Raises :class:`~trio_vllm.EngineDeadError` from ``next()`` once the engine died and
+    the outputs received before are consumed.
+    """
+
+    def __init__(self, owner: SyncClient, context: Any, stream: RequestStream) -> None:
+        self._owner = owner
+        self._context = context
+        self._stream = stream
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<SyncRequestStream {self.request_id!r} {state}>"
+
+    @property
+    def request_id(self) -> str:
+        """The id sent to the engine."""
+        return self._stream.request_id
+
+    @property
+    def rank(self) -> int:
+        """The data-parallel rank serving the request."""
+        return self._stream.rank
+
+    @property
+    def finish_reason(self) -> Any:
+        """The final output's ``finish_reason`` once consumed (``None`` before)."""
+        return self._stream.finish_reason
+
+    @property
+    def aborted(self) -> bool:
+        """True once the request was aborted by this client."""
+        return self._stream.aborted
+
+    @property
+    def closed(self) -> bool:
+        """True once the stream was closed (exhausted, closed or aborted)."""
+        return self._closed
+
+    def __iter__(self) -> SyncRequestStream:
+        return self
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        try:
+            output = self._owner._call(_next_or_end, self._stream)
+        except BaseException as exc:
+            self._finish(exc)
+            raise
+        if output is _END:
+            self._finish(None)
+            raise StopIteration
+        return output
+
+    def collect(self) -> list[int]:
+        """Consume the rest of the stream; return all new token ids, concatenated."""
+        tokens: list[int] = []
+        for output in self:
+            tokens.extend(output.new_token_ids)
+        return tokens
+
+    def close(self) -> None:
+        """Stop the stream; aborts the request if it has not finished. Idempotent."""
+        self._finish(None)
+
+    def _finish(self, exc: BaseException | None) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._owner._streams.discard(self)
+        if self._owner._portal is None:
+            return  # the client already closed; open_client cleaned everything up
+        if exc is None:
+            self._context.__exit__(None, None, None)
+        else:
+            # Exceptions the async side raised itself are not passed back into it.
+            with contextlib.suppress(BaseException):
+                self._context.__exit__(None, None, None)
+
+    def __enter__(self) -> SyncRequestStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Best effort for a stream dropped unfinished (e.g. ``break`` in a for loop).
+        # Never from the event-loop thread: a portal call there would deadlock, and
+        # closing the client cleans such streams up anyway.
+        if self._closed or threading.get_ident() == self._owner._loop_thread_id:
+            return
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+@final
+class SyncClient:
+    """A blocking client: :func:`~trio_vllm.client.open_client` in a background thread.
+
+    Args:
+        engines: an engine source (``ReferenceEngines``, ``VllmEngines``,
+            ``ExternalEngines``).
+        backend: the event loop the thread runs, ``"trio"`` (default) or ``"asyncio"``.
+        **options: passed to :func:`~trio_vllm.client.open_client` (``ready_timeout``,
+            ``profile``, ``on_progress``, ...). ``on_progress`` is called in the
+            background thread.
+
+    Use it as a context manager; ``__enter__`` starts the thread and waits until the
+    engines are ready (raising :class:`~trio_vllm.EngineStartupError` like
+    ``open_client``, with the thread already joined), ``__exit__`` (or :meth:`close`)
+    shuts everything down and joins the thread. Every method raises
+    :class:`~trio_vllm.EngineDeadError` once an engine died or the client closed.
+    """
+
+    def __init__(self, engines: EngineSource, *, backend: str = "trio", **options: Any) -> None:
+        self._engines = engines
+        self._backend = backend
+        self._options = options
+        self._exit_stack: contextlib.ExitStack | None = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
+        self._client: EngineCoreClient | None = None
+        self._loop_thread_id: int | None = None
+        self._streams: weakref.WeakSet[SyncRequestStream] = weakref.WeakSet()
+        self._close_lock = threading.Lock()
+        self._used = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> SyncClient:
+        if self._used:
+            raise RuntimeError("a SyncClient can be entered only once")
+        self._used = True
+        stack = contextlib.ExitStack()
+        try:
+            portal = stack.enter_context(
+                anyio.from_thread.start_blocking_portal(self._backend, name="trio-vllm-sync")
+            )
+            self._loop_thread_id = portal.call(threading.get_ident)
+            client = stack.enter_context(
+                portal.wrap_async_context_manager(open_client(self._engines, **self._options))
+            )
+        except BaseException:
+            stack.close()
+            raise
+        self._exit_stack = stack
+        self._portal = portal
+        self._client = client
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close open streams (aborting their requests), exit ``open_client`` (engines
+        stopped), and join the background thread. Idempotent; blocks until done."""
+        with self._close_lock:
+            stack, self._exit_stack = self._exit_stack, None
+            if stack is None:
+                return
+            try:
+                for stream in list(self._streams):
+                    with contextlib.suppress(Exception):
+                        stream.close()
+            finally:
+                self._portal = None
+                stack.close()
+
+    @property
+    def portal(self) -> anyio.from_thread.BlockingPortal:
+        """The portal into the client's event loop (for running your own async code)."""
+        if self._portal is None:
+            raise RuntimeError("the SyncClient is not open")
+        return self._portal
+
+    @property
+    def async_client(self) -> EngineCoreClient:
+        """The :class:`~trio_vllm.EngineCoreClient`; use it only through :attr:`portal`."""
+        if self._client is None:
+            raise RuntimeError("the SyncClient is not open")
+        return self._client
+
+    def _call(self, func: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        """Run ``func(*args)`` in the loop thread and wait; cancel it if we are interrupted."""
+        portal = self._portal
+        if portal is None:
+            client = self._client
+            if client is not None:
+                raise client._dead_error()
+            raise RuntimeError("the SyncClient is not open (use it as a context manager)")
+        if threading.get_ident() == self._loop_thread_id:
+            raise RuntimeError("SyncClient methods cannot be called from its own event loop")
+        try:
+            if kwargs:
+                func = functools.partial(func, **kwargs)
+            future = portal.start_task_soon(func, *args)
+        except RuntimeError:
+            # The portal stopped between our check and the call: the client is closed.
+            if self._client is not None:
+                raise self._client._dead_error() from None
+            raise
+        try:
+            return future.result()
+        except BaseException:
+            # e.g. KeyboardInterrupt while waiting: cancel the call in the loop, so it
+            # completes or is cancelled with nothing changed (no-op if it finished).
+            future.cancel()
+            raise
+
+    def _get(self, read: Callable[[EngineCoreClient], T]) -> T:
+        client = self.async_client
+
+        async def get() -> T:
+            return read(client)
+
+        return self._call(get)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def ranks(self) -> list[int]:
+        """Data-parallel ranks of the engines."""
+        return self._get(lambda c: c.ranks)
+
+    @property
+    def ready_responses(self) -> dict[int, dict[str, Any]]:
+        """Each engine's ready response (a plain map)."""
+        return self._get(lambda c: c.ready_responses)
+
+    @property
+    def vllm_version(self) -> str | None:
+        """The ``vllm_version`` the engines reported."""
+        return self._get(lambda c: c.vllm_version)
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The smallest ``max_model_len`` the engines reported."""
+        return self._get(lambda c: c.max_model_len)
+
+    @property
+    def engine_pids(self) -> dict[int, int]:
+        """Rank -> pid of each spawned engine process."""
+        return self._get(lambda c: c.engine_pids)
+
+    @property
+    def dead(self) -> bool:
+        """True once an engine died or the client closed (no portal call needed)."""
+        return self._client is None or self._portal is None or self._client.dead
+
+    @property
+    def live_requests(self) -> list[str]:
+        """Request ids the client considers running."""
+        return self._get(lambda c: c.live_requests)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: Any, *, rank: int | None = None) -> None:
+        """Send a request; its outputs come from :meth:`get_output` (``ValueError`` if
+        invalid or its id is live)."""
+        self._call(self.async_client.add_request, request, rank=rank)
+
+    def get_output(self, timeout: float | None = None) -> Any:
+        """Block until the next EngineCoreOutputs batch of raw requests.
+
+        Raises ``TimeoutError`` after ``timeout`` seconds (nothing consumed) and
+        :class:`~trio_vllm.EngineDeadError` once dead and nothing is queued.
+        """
+        client = self.async_client
+
+        async def get() -> Any:
+            with anyio.fail_after(timeout):
+                return await client.get_output()
+
+        return self._call(get)
+
+    def abort_requests(self, request_ids: Iterable[str], *, rank: int | None = None) -> None:
+        """Abort requests by id (see :meth:`EngineCoreClient.abort_requests`)."""
+        self._call(self.async_client.abort_requests, list(request_ids), rank=rank)
+
+    def generate(
+        self, request: Any, *, rank: int | None = None, max_pending: int | None = None
+    ) -> SyncRequestStream:
+        """Send ``request`` and return a blocking iterator over its outputs.
+
+        Raises ``ValueError`` before sending for an invalid request or a live id.
+        Closing the returned stream early aborts the request.
+        """
+        client = self.async_client
+        context = self.portal.wrap_async_context_manager(
+            client.generate(request, rank=rank, max_pending=max_pending)
+        )
+        stream = context.__enter__()
+        sync_stream = SyncRequestStream(self, context, stream)
+        self._streams.add(sync_stream)
+        return sync_stream
+
+    # ------------------------------------------------------------------ utilities
+
+    def call_utility(self, method: str, *args: Any, rank: int | None = None) -> Any:
+        """Call ``method(*args)`` on one engine (``UtilityCallError`` if it failed there)."""
+        client = self.async_client
+
+        async def call() -> Any:
+            return await client.call_utility(method, *args, rank=rank)
+
+        return self._call(call)
+
+    def call_utility_all(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method(*args)`` on every engine; results in rank order."""
+        return self._call(self.async_client.call_utility_all, method, *args)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """Tasks the model supports, e.g. ``("generate",)``."""
+        return self._call(self.async_client.get_supported_tasks)
+
+    def is_sleeping(self) -> bool:
+        """Whether the engines sleep."""
+        return self._call(self.async_client.is_sleeping)
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Put every engine to sleep."""
+        self._call(self.async_client.sleep, level, mode)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> bool:
+        """Wake every engine."""
+        return self._call(self.async_client.wake_up, tags)
+
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Reset the prefix cache of every engine."""
+        return self._call(
+            self.async_client.reset_prefix_cache, reset_running_requests, reset_connector
+        )
+
+    def reset_mm_cache(self) -> None:
+        """Reset the multimodal cache of every engine."""
+        self._call(self.async_client.reset_mm_cache)
+
+    def reset_encoder_cache(self) -> None:
+        """Reset the encoder cache of every engine."""
+        self._call(self.async_client.reset_encoder_cache)
+
+    def profile(
+        self,
+        is_start: bool = True,
+        profile_prefix: str | None = None,
+        delay_iterations: int | None = None,
+        max_iterations: int | None = None,
+    ) -> None:
+        """Start or stop the torch profiler on every engine."""
+        self._call(
+            self.async_client.profile, is_start, profile_prefix, delay_iterations, max_iterations
+        )
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load a LoRA adapter on every engine."""
+        return self._call(self.async_client.add_lora, lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload a LoRA adapter from every engine."""
+        return self._call(self.async_client.remove_lora, lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The LoRA ids loaded (union over engines)."""
+        return self._call(self.async_client.list_loras)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Pin a LoRA adapter on every engine."""
+        return self._call(self.async_client.pin_lora, lora_id)
+
+    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Pause scheduling on every engine."""
+        self._call(self.async_client.pause_scheduler, mode, clear_cache)
+
+    def resume_scheduler(self) -> None:
+        """Resume scheduling on every engine."""
+        self._call(self.async_client.resume_scheduler)
+
+    def is_scheduler_paused(self) -> bool:
+        """Whether scheduling is paused."""
+        return self._call(self.async_client.is_scheduler_paused)
+
+    def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run ``method`` on every worker of every engine."""
+        return self._call(self.async_client.collective_rpc, method, timeout, args, kwargs)
+
+    def execute_dummy_batch(self) -> None:
+        """Run a dummy batch on every engine."""
+        self._call(self.async_client.execute_dummy_batch)
+
+    def save_sharded_state(
+        self, path: str, pattern: str | None = None, max_size: int | None = None
+    ) -> None:
+        """Save the model's sharded state (one engine)."""
+        self._call(self.async_client.save_sharded_state, path, pattern, max_size)
+
+    def get_weight_version(self) -> str:
+        """The engines' weight version."""
+        return self._call(self.async_client.get_weight_version)
+
+    def set_weight_version(self, weight_version: str) -> None:
+        """Set the weight version label on every engine."""
+        self._call(self.async_client.set_weight_version, weight_version)
+
+    def compute_weight_checksums(self) -> list[dict[str, str]]:
+        """Weight checksums, one map per worker."""
+        return self._call(self.async_client.compute_weight_checksums)
+

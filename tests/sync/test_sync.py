@@ -1,0 +1,276 @@
+"""The blocking facade against real reference-engine processes.
+
+Each test runs the facade's event loop on trio and on asyncio, and checks that the
+background thread and the engine processes are gone after the ``with`` block.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import pytest
+
+from trio_vllm import EngineDeadError, EngineStartupError, UtilityCallError
+from trio_vllm.client import ReferenceEngines, make_request
+from trio_vllm.sync import SyncClient
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+# A context so long that an un-aborted request keeps the engine busy for minutes.
+LONG = ["--max-model-len", "1000000", "--num-gpu-blocks", "1000000"]
+
+
+@pytest.fixture(params=["trio", "asyncio"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def new_threads(before: set[int | None]) -> list[threading.Thread]:
+    """Threads started since ``before``, except trio's idle thread-cache workers.
+
+    trio runs ``subprocess.Popen`` in its process-wide thread cache, whose idle workers
+    ("Trio thread N") exit by themselves after 10 s; they belong to trio, not to the
+    client (``test_no_thread_at_all_after_idle_timeout`` waits them out once).
+    """
+    return [
+        t
+        for t in threading.enumerate()
+        if t.ident not in before and not t.name.startswith("Trio thread ")
+    ]
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left() -> Iterator[None]:
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    left = new_threads(before)
+    assert left == [], f"threads outlived the SyncClient: {left}"
+
+
+def echo_tokens(prompt: list[int], n: int) -> list[int]:
+    return [prompt[i % len(prompt)] for i in range(n)]
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def engine_is_idle(client: SyncClient) -> bool:
+    """True if no request runs on the engine: a ``wait`` pause then completes at once."""
+    portal, async_client = client.portal, client.async_client
+
+    async def probe() -> bool:
+        import anyio
+
+        with anyio.move_on_after(3):
+            await async_client.pause_scheduler("wait", False)
+            await async_client.resume_scheduler()
+            return True
+        return False
+
+    return portal.call(probe)
+
+
+def test_generate_raw_api_and_utilities(backend: str) -> None:
+    with SyncClient(ReferenceEngines(model="echo"), backend=backend, ready_timeout=30) as client:
+        pids = list(client.engine_pids.values())
+        assert client.ranks == [0]
+        assert client.vllm_version == "0.32.0"
+        assert client.max_model_len == 2048
+        # generate: a blocking iterator, one output per step, final one carries the reason.
+        stream = client.generate(make_request([1, 5, 7], max_tokens=10))
+        outputs = list(stream)
+        assert [t for o in outputs for t in o.new_token_ids] == echo_tokens([1, 5, 7], 10)
+        assert outputs[-1].finish_reason == 1
+        assert stream.finish_reason == 1
+        assert stream.closed
+        assert not stream.aborted
+        # raw API: add_request + blocking get_output until the final output.
+        request = make_request([3, 4], max_tokens=5)
+        client.add_request(request)
+        tokens: list[int] = []
+        finished = False
+        while not finished:
+            for out in client.get_output(timeout=10).outputs:
+                assert out.request_id == request.request_id
+                tokens.extend(out.new_token_ids)
+                finished = out.finish_reason is not None
+        assert tokens == echo_tokens([3, 4], 5)
+        with pytest.raises(TimeoutError):
+            client.get_output(timeout=0.2)
+        # utilities, named and raw.
+        assert "generate" in client.get_supported_tasks()
+        assert client.call_utility("collective_rpc", "echo", None, [7], None) == [[7]]
+        tasks = list(client.get_supported_tasks())
+        assert client.call_utility_all("get_supported_tasks") == [tasks]
+        assert client.reset_prefix_cache() is True
+        client.set_weight_version("v2")
+        assert client.get_weight_version() == "v2"
+        assert client.is_sleeping() is False
+        with pytest.raises(UtilityCallError):
+            client.call_utility("no_such_method")
+        dup = make_request([1], max_tokens=50, request_id="dup")
+        with client.generate(dup), pytest.raises(ValueError, match="already live"):
+            client.add_request(make_request([2], request_id="dup"))
+        assert client.live_requests == []
+    assert client.dead
+    with pytest.raises(EngineDeadError, match="closed"):
+        client.get_supported_tasks()
+    assert all(process_gone(pid) for pid in pids)
+
+
+@pytest.mark.parametrize("how", ["break", "close", "exception"])
+def test_leaving_generate_early_aborts_on_the_engine(backend: str, how: str) -> None:
+    engines = ReferenceEngines(model="echo", extra_args=LONG)
+    with SyncClient(engines, backend=backend, ready_timeout=30) as client:
+        request = make_request([1, 2, 3], max_tokens=900_000)
+        if how == "break":
+            for _ in client.generate(request):
+                break  # CPython drops the stream here, which closes it
+        elif how == "close":
+            stream = client.generate(request)
+            next(stream)
+            stream.close()
+            assert stream.aborted
+        else:
+
+            def consume() -> None:
+                with client.generate(request) as stream:
+                    next(stream)
+                    raise KeyError(stream)
+
+            with pytest.raises(KeyError) as info:
+                consume()
+            assert info.value.args[0].aborted
+        assert client.live_requests == []
+        assert engine_is_idle(client)
+        # The id is free again and the engine still works.
+        again = client.generate(make_request([4], max_tokens=2, request_id=request.request_id))
+        assert again.collect() == [4, 4]
+
+
+def test_unaborted_request_keeps_engine_busy(backend: str) -> None:
+    """Control for the test above: the idle probe does detect a running request."""
+    engines = ReferenceEngines(model="echo", extra_args=LONG)
+    with SyncClient(engines, backend=backend, ready_timeout=30) as client:
+        stream = client.generate(make_request([1, 2, 3], max_tokens=900_000))
+        next(stream)
+        assert not engine_is_idle(client)
+        # Closing the client with the stream open aborts it and returns promptly.
+        started = time.monotonic()
+    assert time.monotonic() - started < 10
+    assert stream.closed
+
+
+def test_engine_death_raises_in_blocked_callers(backend: str) -> None:
+    engines = ReferenceEngines(model="echo", extra_args=LONG)
+    with SyncClient(engines, backend=backend, ready_timeout=30) as client:
+        (pid,) = client.engine_pids.values()
+        stream = client.generate(make_request([1, 2], max_tokens=900_000))
+        next(stream)
+        errors: list[BaseException] = []
+
+        def blocked_get_output() -> None:
+            try:
+                while True:  # batches with scheduler stats only may come first
+                    client.get_output()
+            except BaseException as exc:
+                errors.append(exc)
+
+        waiter = threading.Thread(target=blocked_get_output)
+        waiter.start()
+        time.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
+        waiter.join(timeout=5)
+        assert not waiter.is_alive()
+        assert len(errors) == 1
+        assert isinstance(errors[0], EngineDeadError)
+        with pytest.raises(EngineDeadError, match="died"):
+            for _ in stream:
+                pass
+        assert stream.closed
+        with pytest.raises(EngineDeadError):
+            client.get_supported_tasks()
+        with pytest.raises(EngineDeadError):
+            client.generate(make_request([1], max_tokens=2))
+        assert client.dead
+
+
+def test_startup_failure_raises_and_leaves_no_thread(backend: str) -> None:
+    engines = ReferenceEngines(model="echo", faults=["--crash-on-startup", "no model here"])
+    client = SyncClient(engines, backend=backend, ready_timeout=30)
+    with pytest.raises(EngineStartupError, match="no model here"):
+        client.__enter__()
+    with pytest.raises(RuntimeError, match="not open"):
+        client.get_supported_tasks()
+
+
+def test_methods_from_several_threads(backend: str) -> None:
+    with SyncClient(ReferenceEngines(model="echo"), backend=backend, ready_timeout=30) as client:
+        results: dict[int, list[int]] = {}
+
+        def worker(i: int) -> None:
+            results[i] = client.generate(make_request([i + 1], max_tokens=20)).collect()
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        assert results == {i: [i + 1] * 20 for i in range(4)}
+
+
+def test_no_thread_at_all_after_idle_timeout() -> None:
+    """Strict version of the check: wait out trio's thread cache, then nothing is left."""
+    before = {t.ident for t in threading.enumerate()}
+    with SyncClient(ReferenceEngines(model="echo"), ready_timeout=30) as client:
+        assert any(t.name == "trio-vllm-sync" for t in threading.enumerate())
+        assert client.generate(make_request([9], max_tokens=3)).collect() == [9, 9, 9]
+    assert not any(t.name == "trio-vllm-sync" for t in threading.enumerate())
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        left = [t for t in threading.enumerate() if t.ident not in before]
+        if not left:
+            break
+        time.sleep(0.25)
+    assert left == []
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_interrupt_while_blocked_cancels_only_that_call(backend: str) -> None:
+    """A signal handler raising in the caller (like Ctrl-C) cancels the waiting call."""
+
+    def on_alarm(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        with SyncClient(ReferenceEngines(model="echo"), backend=backend, ready_timeout=30) as c:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            started = time.monotonic()
+            with pytest.raises(Interrupted):
+                c.get_output()
+            assert time.monotonic() - started < 5
+            # The cancelled call consumed nothing: the next output reaches the next call.
+            request = make_request([8], max_tokens=1)
+            c.add_request(request)
+            outputs = []
+            while not outputs:
+                outputs = c.get_output(timeout=10).outputs
+            assert outputs[0].request_id == request.request_id
+            assert outputs[0].new_token_ids == [8]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
