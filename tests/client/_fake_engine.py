@@ -103,6 +103,13 @@ def main() -> None:
             out.send(b"ENGINE_CORE_DEAD")
             time.sleep(0.2)
             sys.exit(1)
+        if fault == "rogue" and steps == fault_n:
+            rogue = ctx.socket(zmq.DEALER)
+            rogue.setsockopt(zmq.IDENTITY, b"\x09\x00")
+            rogue.connect(init["addresses"]["inputs"][0])
+            rogue.send(msgspec.msgpack.encode(ready_response))
+        if fault == "second-ready" and steps == fault_n:
+            inp.send(msgspec.msgpack.encode(ready_response))
         if fault == "exit" and steps == fault_n:
             sys.exit(5)
         batch: list[object] = []

@@ -62,6 +62,18 @@ async def test_unexpected_engine_index_is_protocol_error_cause() -> None:
     assert "engine_index 7" in str(error.__cause__)
 
 
+async def test_unexpected_identity_on_input_socket() -> None:
+    error = await _stream_until_death("rogue", 2)
+    assert isinstance(error.__cause__, ProtocolError)
+    assert "unexpected identity 0900" in str(error.__cause__)
+
+
+async def test_stray_ready_response_after_startup() -> None:
+    error = await _stream_until_death("second-ready", 2)
+    assert isinstance(error.__cause__, ProtocolError)
+    assert "after startup" in str(error.__cause__)
+
+
 async def test_engine_core_dead_frame() -> None:
     error = await _stream_until_death("dead", 3)
     assert "ENGINE_CORE_DEAD" in str(error)

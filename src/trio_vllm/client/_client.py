@@ -1,8 +1,9 @@
 """The structured-concurrency engine-core client: :func:`open_client` and its client.
 
 One task group, owned by the :func:`open_client` context manager, holds every task
-the client runs: the handshake server (only during startup), one receive task per
-output socket, and one watcher per spawned engine process. Nothing else runs in the
+the client runs: the handshake server (during startup; afterwards a guard on the input
+socket, where engines must not send again), one receive task per output socket, and
+one watcher per spawned engine process. Nothing else runs in the
 background and nothing outlives the ``async with`` block.
 
 Tasks never raise into the group for engine trouble: an engine exit, an
@@ -42,6 +43,7 @@ from ..protocol.handshake import (
     HandshakeEvent,
     SendInitMetadata,
     identity_for_rank,
+    rank_for_identity,
 )
 from ..transport import AsyncSocket, PrivateIpcDir, tcp_endpoint
 from ._streams import RequestStream
@@ -649,6 +651,34 @@ class EngineCoreClient:
             self._raw_outputs.append(outputs)
             self._raw_event.set()
 
+    async def _guard_input(self, socket: AsyncSocket) -> None:
+        """After startup, an engine never sends on the input socket again: anything that
+        arrives there (a stray ready response, an unknown identity) is a protocol error
+        that makes the client dead. Ends on close or death, never raises."""
+        try:
+            while not self.dead:
+                for message in await socket.receive_batch():
+                    identity = _bytes(message[0]) if message else b""
+                    try:
+                        rank: object = rank_for_identity(identity)
+                    except ProtocolError:
+                        rank = None
+                    known = rank in self._rank_set
+                    what = "engine" if known else "unexpected identity"
+                    exc = ProtocolError(
+                        f"message on the input socket from {what} {identity.hex() or '(none)'}"
+                        f" (rank {rank}) after startup, {len(message)} frame(s); engines send "
+                        "only their ready response there"
+                    )
+                    self._set_dead(f"protocol error on the input socket: {exc}", cause=exc)
+                    return
+        except anyio.ClosedResourceError:
+            return
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:
+            self._set_dead(f"input socket failed: {exc!r}", cause=exc)
+
     async def _receive_loop(self, socket: AsyncSocket) -> None:
         """Receive task for one output socket; ends on close or death, never raises."""
         try:
@@ -761,7 +791,10 @@ async def _serve_handshake(
     except anyio.get_cancelled_exc_class():
         raise
     except BaseException as exc:  # includes groups from the two sides
-        startup.fail(_first_leaf(exc))
+        leaf = _first_leaf(exc)
+        if isinstance(leaf, anyio.get_cancelled_exc_class()):
+            raise
+        startup.fail(leaf)
 
 
 def _bytes(frame: Any) -> bytes:
@@ -948,6 +981,7 @@ async def open_client(
                     if process.exited.is_set():
                         client._on_process_exit(process)
                 tg.start_soon(client._receive_loop, output_socket)
+                tg.start_soon(client._guard_input, input_socket)
                 yield client
             except BaseException as exc:
                 body_error = exc
