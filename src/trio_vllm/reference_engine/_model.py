@@ -98,6 +98,8 @@ class Model(Protocol):
 
     def hidden_states(self, seq: Sequence) -> npt.NDArray[np.float32]: ...
 
+    def embed_tokens(self, token_ids: list[int]) -> npt.NDArray[np.float32]: ...
+
     def offload(self, level: int) -> None: ...
 
     def reload(self) -> None: ...
@@ -144,6 +146,12 @@ class EchoModel:
         hidden = np.zeros((len(prompt), HIDDEN_SIZE), dtype=np.float32)
         hidden[np.arange(len(prompt)), np.asarray(prompt) % HIDDEN_SIZE] = 1.0
         return hidden
+
+    def embed_tokens(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
+        """Embeddings the echo model maps back to ``token_ids`` (``e[0]`` = the id)."""
+        out = np.zeros((len(token_ids), HIDDEN_SIZE), dtype=np.float32)
+        out[:, 0] = token_ids
+        return out
 
     def offload(self, level: int) -> None:
         pass
@@ -285,6 +293,11 @@ class TinyModel:
         with torch.inference_mode():
             x, _ = self._inputs([prompt_only])
             return self._forward(x)[0].float().cpu().numpy()  # type: ignore[no-any-return]
+
+    def embed_tokens(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
+        assert self._params is not None, "weights are discarded (sleep level 2)"
+        ids = self._torch.tensor(token_ids, dtype=self._torch.long, device=self.device)
+        return self._params["embed"][ids].float().cpu().numpy()  # type: ignore[no-any-return]
 
     def offload(self, level: int) -> None:
         if level >= 2:

@@ -113,6 +113,7 @@ class EngineServer:
         self.firehose_cursor = 0
         self.firehose_blocked: tuple[zmq.Socket[bytes], list[Any]] | None = None
         self.engines_running = False
+        self.start_wave_sent: int | None = None
         self.wave_steps = 0
         self.last_counts: tuple[int, int] | None = None
         self._wake_r, self._wake_w = socket.socketpair()
@@ -152,6 +153,7 @@ class EngineServer:
                 _log("fatal error in the engine core:\n" + traceback.format_exc())
                 if self.outputs:
                     return self._die()
+                _log("EngineCore failed to start.")
                 return 1
         finally:
             self._close()
@@ -679,8 +681,15 @@ class EngineServer:
             self.scheduler.current_wave = req.current_wave
         elif not self.engines_running:
             # A request for a wave that already ended: ask the coordinator for a new one.
-            self.send(-1, self.wire.outputs(engine_index=self.rank,
-                                             start_wave=self.scheduler.current_wave))
+            self._request_wave()
+
+    def _request_wave(self) -> None:
+        """Send ``start_wave = current_wave`` to the coordinator, once per wave."""
+        wave = self.scheduler.current_wave
+        if self.coord_out is None or self.start_wave_sent == wave:
+            return
+        self.start_wave_sent = wave
+        self.send(-1, self.wire.outputs(engine_index=self.rank, start_wave=wave))
 
     def _handle_start_wave(self, wave: int, exclude: int | None) -> None:
         if not self.options.moe:
@@ -944,9 +953,8 @@ class EngineServer:
             ):
                 self.engines_running = True
                 self.wave_steps = 0
-                if self.rank == 0 and self.coord_out is not None:
-                    self.send(-1, self.wire.outputs(engine_index=self.rank,
-                                                     start_wave=self.scheduler.current_wave))
+                if self.rank == 0:
+                    self._request_wave()
             stepped = False
             if self.scheduler.has_schedulable():
                 result = self.scheduler.step()

@@ -65,6 +65,12 @@ class _Worker:
             "dtype": model.dtype,
         }
 
+    def embed_tokens(self, token_ids: list[int]) -> list[list[float]]:
+        """Reference engine only: the input embeddings of ``token_ids`` (for prompt_embeds
+        tests: feeding them back must give the same output as the ids)."""
+        rows: list[list[float]] = self._server.model.embed_tokens(list(token_ids)).tolist()
+        return rows
+
     def echo(self, *args: Any) -> list[Any]:
         """Reference engine only: returns its arguments (for round-trip tests)."""
         return list(args)
