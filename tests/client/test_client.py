@@ -76,6 +76,7 @@ async def test_many_concurrent_streams_are_independent() -> None:
                     tg.start_soon(run, i)
         for i in range(20):
             assert results[i] == echo_tokens([i + 1, i + 2, i + 3], 20 + i)
+        assert client._in_flight == {0: 0}
 
 
 async def test_slow_consumer_does_not_block_others_and_is_coalesced() -> None:
@@ -128,6 +129,7 @@ async def test_leaving_generate_early_aborts_on_the_engine(how: str) -> None:
                 assert scope.cancelled_caught
         assert stream.aborted
         assert client.live_requests == []
+        assert client._in_flight == {0: 0}
         assert await _engine_is_idle(client)
         # The id is free again, and the engine still works.
         async with client.generate(
@@ -279,3 +281,10 @@ async def test_routing_spreads_over_ranks() -> None:
             assert await c.collect() == [3, 3]
         with pytest.raises(ValueError, match="no engine with rank 5"):
             await echo(client, rank=5)
+        # Every request left the per-rank load exactly once.
+        await client.add_request(make_request([1], max_tokens=100_000 // 100, request_id="a"))
+        async with client.generate(make_request([1], max_tokens=1000)) as d:
+            assert d.rank == 1  # rank 0 has the raw request in flight
+            await client.abort_requests(["a", d.request_id])
+            assert d.aborted
+        assert client._in_flight == {0: 0, 1: 0}

@@ -257,7 +257,13 @@ class EngineCoreClient:
         self._in_flight[rank] += 1
 
     def _request_ended(self, rank: int) -> None:
-        self._in_flight[rank] = max(0, self._in_flight[rank] - 1)
+        self._in_flight[rank] -= 1
+
+    def _release_stream(self, stream: RequestStream) -> None:
+        # Each stream leaves the in-flight count exactly once (finish, abort or exit).
+        if stream._in_flight:
+            stream._in_flight = False
+            self._request_ended(stream.rank)
 
     # ------------------------------------------------------------------ sending
 
@@ -352,17 +358,21 @@ class EngineCoreClient:
         no output for a client-initiated abort.
         """
         self._check_alive()
-        by_rank: dict[int, list[str]] = {}
-        for request_id in request_ids:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:
             if not isinstance(request_id, str):
                 raise TypeError(f"request ids are strings, got {request_id!r}")
+        by_rank: dict[int, list[str]] = {}
+        for request_id in ids:
             owner = self._raw_requests.pop(request_id, None)
+            if owner is not None:
+                self._request_ended(owner)
             stream = self._streams.get(request_id)
             if stream is not None and not stream.finished:
                 owner = stream.rank
                 stream._abort_locally()
+                self._release_stream(stream)
             if owner is not None:
-                self._request_ended(owner)
                 by_rank.setdefault(owner, []).append(request_id)
             else:
                 for target in [rank] if rank is not None else self._ranks:
@@ -389,6 +399,7 @@ class EngineCoreClient:
         stream = RequestStream(request_id, target, max_pending=max_pending or self._stream_buffer)
         self._streams[request_id] = stream
         self._request_started(target)
+        stream._in_flight = True
         sent = False
         try:
             await self._send(target, frames)
@@ -397,8 +408,7 @@ class EngineCoreClient:
         finally:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
-                if not stream.aborted:
-                    self._request_ended(target)
+            self._release_stream(stream)
             if sent and not stream.finished:
                 stream.aborted = True
                 await self._abort_on_exit(target, request_id)
@@ -631,10 +641,9 @@ class EngineCoreClient:
             request_id = output.request_id
             stream = self._streams.get(request_id)
             if stream is not None:
-                was_finished = stream.finished
                 stream._deliver(output)
-                if not was_finished and output.finish_reason is not None:
-                    self._request_ended(stream.rank)
+                if stream.finished:
+                    self._release_stream(stream)
                 continue
             owner = self._raw_requests.get(request_id)
             if owner is not None:

@@ -117,6 +117,7 @@ class RequestStream:
         self._received_final = False  # the receive task saw the finishing output
         self._done = False  # iteration is over (final output consumed, or aborted)
         self._error: Callable[[], BaseException] | None = None
+        self._in_flight = False  # counted in the client's per-rank load (routing)
 
     def __repr__(self) -> str:
         return (
