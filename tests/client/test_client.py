@@ -288,3 +288,22 @@ async def test_routing_spreads_over_ranks() -> None:
             await client.abort_requests(["a", d.request_id])
             assert d.aborted
         assert client._in_flight == {0: 0, 1: 0}
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_asyncio_native_timeout_on_utility_call() -> None:
+    """``asyncio.timeout`` cancels with ``Task.cancel()``, not an anyio scope."""
+    import asyncio
+
+    engines = ReferenceEngines(model="echo", faults=["--output-delay-ms", "300"])
+    async with open_client(engines, ready_timeout=30) as client:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await echo(client, "late")
+        assert client.pending_utility_calls == 0
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                async with client.generate(make_request([1], max_tokens=1000)) as stream:
+                    await stream.collect()
+        assert client.live_requests == []
+        assert await echo(client, "next") == [["next"]]
