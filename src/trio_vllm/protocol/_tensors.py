@@ -13,9 +13,12 @@ import abc
 import math
 import sys
 import warnings
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
 
 __all__ = ["RawTensor", "TensorLike", "torch_available"]
 
@@ -179,7 +182,53 @@ def _check_triple(obj: Any) -> tuple[str, tuple[int, ...], Any]:
     return dtype, tuple(shape), data
 
 
-def resolve_buffer(data: Any, aux: list[Any] | None) -> memoryview:
+def as_buffer(frame: Any) -> Any:
+    """A buffer numpy/msgspec can read for a received frame, without copying.
+
+    Accepts bytes, bytearray, memoryview, objects with a ``.buffer`` memoryview
+    (``zmq.Frame``) and anything else supporting the buffer protocol.
+    """
+    t = type(frame)
+    if t is bytes or t is memoryview or t is bytearray:
+        return frame
+    inner = getattr(frame, "buffer", None)
+    if isinstance(inner, memoryview):
+        return inner
+    return memoryview(frame)
+
+
+def make_dec_hook(aux_holder: Any) -> Callable[[type, Any], Any]:
+    """The msgspec ``dec_hook`` of a codec: builds ndarrays and tensors.
+
+    ``aux_holder._aux_in`` is the current message's frame sequence (index 0 = main
+    buffer) or ``None``. The ndarray fast path is inlined because sample logprobs arrive
+    with every step; anything unusual takes the careful path, which names the problem.
+    """
+    cache = _NUMPY_DTYPE_CACHE
+    prod = math.prod
+    frombuffer = np.frombuffer
+    ndarray = np.ndarray
+
+    def dec_hook(tp: type, obj: Any) -> Any:
+        if tp is ndarray:
+            try:
+                dtype, shape, data = obj
+                dt = cache[dtype]
+                buf = aux_holder._aux_in[data] if type(data) is int and data > 0 else data
+                nbytes = buf.nbytes if type(buf) is memoryview else len(buf)
+                if type(shape) is list and prod(shape) * dt.itemsize == nbytes:
+                    return frombuffer(buf, dtype=dt).reshape(shape)
+            except Exception:  # the slow path names the problem
+                pass
+            return _decode_ndarray_slow(obj, aux_holder._aux_in)
+        if tp is TensorLike:
+            return decode_tensor(obj, aux_holder._aux_in)
+        raise NotImplementedError(f"no decoder for {tp!r}")
+
+    return dec_hook
+
+
+def resolve_buffer(data: Any, aux: Sequence[Any] | None) -> memoryview:
     """The bytes a tensor's ``data`` item points at: inline ext 3 or an aux frame index."""
     if isinstance(data, memoryview):
         return data
@@ -191,7 +240,7 @@ def resolve_buffer(data: Any, aux: list[Any] | None) -> memoryview:
             raise ValueError(
                 f"tensor data refers to aux frame {data}, but the message has {count} aux frame(s)"
             )
-        return memoryview(aux[data]).cast("B")
+        return memoryview(as_buffer(aux[data])).cast("B")
     if isinstance(data, dict):
         raise ValueError("shared-memory tensor handles (mm_tensor_ipc) cannot cross the wire")
     raise ValueError(
@@ -218,12 +267,32 @@ def _check_size(shape: tuple[int, ...], itemsize: int, nbytes: int, dtype: str) 
         )
 
 
-def decode_ndarray(obj: Any, aux: list[Any] | None) -> np.ndarray[Any, Any]:
+_NUMPY_DTYPE_CACHE: dict[str, np.dtype[Any]] = {}
+
+
+def decode_ndarray(obj: Any, aux: Sequence[Any] | None) -> np.ndarray[Any, Any]:
     """Decode a numpy-layout triple into a read-only ndarray viewing the buffer."""
+    # Hot path (sample logprobs arrive with every step): a few cheap checks, numpy's own
+    # reshape validation, and the careful slow path for anything unusual or wrong.
+    try:
+        dtype, shape, data = obj
+        dt = _NUMPY_DTYPE_CACHE[dtype]
+        buf = aux[data] if type(data) is int and data > 0 else data  # type: ignore[index]
+        nbytes = buf.nbytes if type(buf) is memoryview else len(buf)
+        if type(shape) is list and math.prod(shape) * dt.itemsize == nbytes:
+            return np.frombuffer(buf, dtype=dt).reshape(shape)
+    except Exception:  # the slow path below names the problem
+        pass
+    return _decode_ndarray_slow(obj, aux)
+
+
+def _decode_ndarray_slow(obj: Any, aux: Sequence[Any] | None) -> np.ndarray[Any, Any]:
     dtype, shape, data = _check_triple(obj)
     buf = resolve_buffer(data, aux)
     dt = _numpy_dtype(dtype)
     _check_size(shape, dt.itemsize, buf.nbytes, dtype)
+    if len(_NUMPY_DTYPE_CACHE) < 256:
+        _NUMPY_DTYPE_CACHE[dtype] = dt
     return np.frombuffer(buf, dtype=dt).reshape(shape)
 
 
@@ -244,7 +313,7 @@ def _torch_from_buffer(torch: Any, dtype: str, shape: tuple[int, ...], buf: memo
     return flat.view(tdt).view(shape)
 
 
-def decode_tensor(obj: Any, aux: list[Any] | None) -> Any:
+def decode_tensor(obj: Any, aux: Sequence[Any] | None) -> Any:
     """Decode a torch-layout triple: torch tensor, else ndarray, else :class:`RawTensor`."""
     dtype, shape, data = _check_triple(obj)
     buf = resolve_buffer(data, aux)

@@ -97,15 +97,7 @@ _DEAD: Final = EngineCoreDead()
 _TYPE_BYTES: Final = {t.value: t for t in RequestType}
 
 
-def _buf(frame: Frame) -> Any:
-    """A buffer msgspec/numpy can read for ``frame`` (no copy)."""
-    t = type(frame)
-    if t is bytes or t is memoryview or t is bytearray:
-        return frame
-    inner = getattr(frame, "buffer", None)
-    if isinstance(inner, memoryview):
-        return inner
-    return memoryview(frame)
+_buf: Final = _tensors.as_buffer
 
 
 def _positional(args: object) -> bool:
@@ -429,7 +421,8 @@ class _CodecBase:
         self.allow_insecure_serialization = allow_insecure_serialization
         self.inline_threshold = inline_threshold
         self._layouts = _layouts_for(self.profile)
-        self._aux_in: list[Any] | None = None
+        self._aux_in: Sequence[Any] | None = None
+        self._dec_hook = _tensors.make_dec_hook(self)
         self._aux_out: list[memoryview] = []
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
 
@@ -448,13 +441,6 @@ class _CodecBase:
             return [name, shape, msgspec.msgpack.Ext(_EXT_RAW_VIEW, data.tobytes())]
         self._aux_out.append(data)
         return [name, shape, len(self._aux_out)]
-
-    def _dec_hook(self, tp: type, obj: Any) -> Any:
-        if tp is TensorLike:
-            return _tensors.decode_tensor(obj, self._aux_in)
-        if tp is np.ndarray:
-            return _tensors.decode_ndarray(obj, self._aux_in)
-        raise NotImplementedError(f"no decoder for {tp!r}")
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
         if code == _EXT_RAW_VIEW:
@@ -616,8 +602,12 @@ class ClientCodec(_CodecBase):
             elif count == 0:
                 raise ProtocolError("received an empty message (no frames) on the output socket")
             else:
-                self._aux_in = [_buf(f) for f in frames]
-                out = self._outputs_decoder.decode(self._aux_in[0])
+                # The hook resolves aux indices into ``frames`` itself (no copy).
+                self._aux_in = frames
+                main = frames[0]
+                if type(main) is not bytes:
+                    main = _buf(main)
+                out = self._outputs_decoder.decode(main)
             if self._outputs_from_wire is not None:
                 out = self._outputs_from_wire(out)
         except Exception as exc:

@@ -56,6 +56,7 @@ STRUCTURED_OUTPUT_BACKENDS: Final = frozenset(
     {"xgrammar", "guidance", "outlines", "lm-format-enforcer"}
 )
 _MAX_LOGPROB_TOKEN_IDS: Final = 128
+_INT_ONLY: Final = {int}
 _INT64_MIN: Final = -(1 << 63)
 _UINT64_MAX: Final = (1 << 64) - 1
 
@@ -65,8 +66,11 @@ def _is_int(x: object) -> bool:
 
 
 def _is_number(x: object) -> bool:
+    t = type(x)
+    if t is float or t is int:
+        return True
     return (isinstance(x, (int, float)) and not isinstance(x, bool)) or isinstance(
-        x, np.floating | np.integer
+        x, (np.floating, np.integer)
     )
 
 
@@ -104,13 +108,17 @@ def _check_token_ids(
 ) -> None:
     if not isinstance(ids, (list, tuple)):
         raise _bad(rid, field, "must be a list of ints", type(ids).__name__)
-    if not ids and not allow_empty:
-        raise _bad(rid, field, "must not be empty", ids)
-    for t in ids:
-        if not _is_int(t) or t < 0:
-            raise _bad(rid, field, "must contain non-negative ints only", t)
-        if vocab_size is not None and t >= vocab_size:
-            raise _bad(rid, field, f"must be < the vocabulary size {vocab_size}", t)
+    if not ids:
+        if not allow_empty:
+            raise _bad(rid, field, "must not be empty", ids)
+        return
+    # C-speed checks first (prompts can be long); find the culprit only on failure.
+    if set(map(type, ids)) != _INT_ONLY or min(ids) < 0:
+        bad = next(t for t in ids if type(t) is not int or t < 0)
+        raise _bad(rid, field, "must contain non-negative ints only", bad)
+    if vocab_size is not None and max(ids) >= vocab_size:
+        bad = next(t for t in ids if t >= vocab_size)
+        raise _bad(rid, field, f"must be < the vocabulary size {vocab_size}", bad)
 
 
 def validate_sampling_params(
