@@ -301,9 +301,13 @@ async def test_asyncio_native_timeout_on_utility_call() -> None:
             async with asyncio.timeout(0.05):
                 await echo(client, "late")
         assert client.pending_utility_calls == 0
+
+        async def consume() -> None:
+            async with client.generate(make_request([1], max_tokens=1000)) as stream:
+                await stream.collect()
+
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.05):
-                async with client.generate(make_request([1], max_tokens=1000)) as stream:
-                    await stream.collect()
+                await consume()
         assert client.live_requests == []
         assert await echo(client, "next") == [["next"]]
