@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ._version import __version__
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -34,6 +37,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("dirs", nargs="+", metavar="DIR", help="folder of *.json wire vectors")
     check.add_argument("-v", "--verbose", action="store_true", help="also list passing vectors")
+
+    from ._cli_generate import add_generate_parser
+
+    add_generate_parser(commands)
     return parser
 
 
@@ -44,6 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._wirecheck import run_wire_check
 
         return run_wire_check(args.dirs, verbose=args.verbose)
+    if args.command == "generate":
+        from ._cli_generate import run_generate
+
+        return run_generate(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse enforces choices
 
 
