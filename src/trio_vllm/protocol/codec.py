@@ -98,6 +98,21 @@ _TYPE_BYTES: Final = {t.value: t for t in RequestType}
 
 
 _buf: Final = _tensors.as_buffer
+_REQUIRED_REQUEST_FIELDS: Final = 9
+
+
+def _array_length(buf: Any) -> int | None:
+    """The length of a msgpack array at the start of ``buf`` (None if not an array)."""
+    if len(buf) == 0:
+        return None
+    head = buf[0]
+    if 0x90 <= head <= 0x9F:
+        return int(head & 0x0F)
+    if head == 0xDC and len(buf) >= 3:
+        return int.from_bytes(bytes(buf[1:3]), "big")
+    if head == 0xDD and len(buf) >= 5:
+        return int.from_bytes(bytes(buf[1:5]), "big")
+    return None
 
 
 def _positional(args: object) -> bool:
@@ -709,6 +724,13 @@ class EngineCodec(_CodecBase):
             main = self._aux_in[0]
             if kind is RequestType.ADD:
                 what = "ADD (EngineCoreRequest)"
+                count = _array_length(main)
+                if count is not None and count < _REQUIRED_REQUEST_FIELDS:
+                    # vLLM declares the first 9 positions without defaults.
+                    raise ProtocolError(
+                        f"ADD: EngineCoreRequest has {count} fields, at least "
+                        f"{_REQUIRED_REQUEST_FIELDS} are required"
+                    )
                 req = self._request_decoder.decode(main)
                 if self._request_from_wire is not None:
                     req = self._request_from_wire(req)
