@@ -70,7 +70,7 @@ def test_newer_version_falls_back_and_warns_once() -> None:
 
 @pytest.mark.parametrize("version", ["0.24.0", "0.28.3", "0.10.1", "", "latest", "abc.def", "0"])
 def test_unknown_older_or_garbage_versions_are_refused(version: str) -> None:
-    with pytest.raises(ProtocolError, match="vLLM|version"):
+    with pytest.raises(ProtocolError, match=r"vLLM|version"):
         profile_for_version(version)
 
 
@@ -181,7 +181,7 @@ def test_handshake_metadata() -> None:
         EngineZmqAddresses(["tcp://127.0.0.1:1"], ["tcp://127.0.0.1:2"]), {"x": 1}
     )
     assert decode_handshake_metadata(encode_handshake_metadata(meta)) == meta
-    with pytest.raises(ValueError, match="same length|equal length"):
+    with pytest.raises(ValueError, match=r"same length|equal length"):
         encode_handshake_metadata(
             EngineHandshakeMetadata(EngineZmqAddresses(["a"], []), {})
         )
