@@ -1,7 +1,9 @@
 """Tensor and ndarray payloads: the ``[dtype, shape, data]`` triple of PROTOCOL.md §4.6.
 
 torch is imported lazily, the first time a torch-layout tensor is decoded or encoded, so
-``import trio_vllm`` and every message without tensors work where torch is missing.
+``import trio_vllm`` and every message without tensors work where torch is missing. That
+first import can take seconds; call :func:`torch_available` at startup to pay for it
+outside the receive path.
 
 Decoding never copies an aux frame: numpy arrays are read-only views of the frame and
 torch tensors share its memory (treat them as read-only; ``.clone()`` before writing).

@@ -538,7 +538,7 @@ class ClientCodec(_CodecBase):
             validate_request(request, profile=self.profile)
         try:
             return self._encode(RequestType.ADD, self._layouts.request(request))
-        except (TypeError, ValueError, OverflowError) as exc:
+        except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
             raise ValueError(f"request {request.request_id!r} cannot be encoded: {exc}") from exc
 
     def encode_abort(self, request_ids: Sequence[str]) -> list[OutgoingFrame]:
@@ -558,7 +558,10 @@ class ClientCodec(_CodecBase):
 
         ``call_id`` must be an int other than the reserved engine notification ids
         (-1, -2) and fit int64/uint64. Struct arguments (``LoRARequest``, ...) are written
-        in this profile's layout. ``ValueError`` for bad arguments.
+        in this profile's layout. For the utilities the release's own client calls, the
+        number of arguments is checked against that release (a 4-argument ``profile``
+        fails on 0.25.1). ``ValueError`` for bad arguments; nothing checks that the
+        engine has ``method`` (an unknown one fails the call, not the engine).
         """
         if type(client_index) is not int or client_index < 0:
             raise ValueError(f"client_index must be a non-negative int, got {client_index!r}")
@@ -570,10 +573,17 @@ class ClientCodec(_CodecBase):
             raise ValueError(f"method must be a non-empty str, got {method!r}")
         if not _positional(args):
             raise ValueError("args must be a sequence of positional arguments")
+        arity = self.profile.utility_arity.get(method)
+        if arity is not None and not arity[0] <= len(args) <= arity[1]:
+            low, high = arity
+            raise ValueError(
+                f"{method} takes {low}..{high} positional arguments on vLLM "
+                f"{self.profile.vllm_version}, got {len(args)}"
+            )
         wire_args = [self._utility_arg(a) for a in args]
         try:
             return self._encode(RequestType.UTILITY, [client_index, call_id, method, wire_args])
-        except (TypeError, ValueError, OverflowError) as exc:
+        except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
             raise ValueError(f"utility {method!r} arguments cannot be encoded: {exc}") from exc
 
     def _utility_arg(self, arg: Any) -> Any:
