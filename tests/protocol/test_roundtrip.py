@@ -149,6 +149,6 @@ def test_outputs_roundtrip(profile: Any, message: EngineCoreOutputs) -> None:
 
 def test_utility_arity_per_release() -> None:
     ClientCodec(V0_32_0).encode_utility(0, 1, "profile", [True, None, None, None])
-    with pytest.raises(ValueError, match="0..2 positional arguments"):
+    with pytest.raises(ValueError, match=r"0\.\.2 positional arguments"):
         ClientCodec(V0_25_1).encode_utility(0, 1, "profile", [True, None, None, None])
     ClientCodec(V0_25_1).encode_utility(0, 1, "my_custom_method", [1, 2, 3, 4, 5])
