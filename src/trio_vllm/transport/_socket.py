@@ -12,23 +12,22 @@ Design in brief (``docs/transport.md`` has the long form):
   option access) made while someone waits, ``EVENTS`` is re-read and the waiters
   whose event is ready are woken: the owner by cancelling its private cancel scope,
   parked waiters by setting their event.
-* Cancellation contract: the non-blocking call is atomic, so a task cancelled while
-  waiting has neither sent nor received anything. A call that succeeded finishes with
-  a cancel-shielded checkpoint, so it always returns its result. On asyncio a native
-  ``Task.cancel()`` (``asyncio.timeout``) pierces anyio's shield; the wrapper then
-  returns the result anyway and re-arms the cancellation for the task's next await.
+* Cancellation contract: every async call takes its one checkpoint *before* it
+  touches the queue. The non-blocking libzmq call is atomic, so a task cancelled at
+  that checkpoint or while waiting on the fd has neither sent nor received anything;
+  once the call succeeds the method returns without another await, so the result
+  cannot be dropped. (Checkpointing after success would need a cancel shield, and on
+  asyncio a native ``Task.cancel()`` from ``asyncio.timeout`` pierces anyio's shield.)
 """
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import math
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import anyio
 import anyio.lowlevel
-import sniffio
 import zmq
 
 from .._exceptions import UnroutableError
@@ -140,7 +139,6 @@ class AsyncSocket:
         self._owner: _Owner | None = None
         self._parked: list[_Parked] = []
         self._ipc_dir: PrivateIpcDir | None = None
-        self._is_asyncio: bool | None = None
 
     # ------------------------------------------------------------------ construction
 
@@ -286,8 +284,7 @@ class AsyncSocket:
         Raises:
             anyio.ClosedResourceError: the socket was closed (also while waiting).
         """
-        self._check_open()
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        await self._checkpoint()
         backoff: float | None = None
         while True:
             try:
@@ -299,7 +296,6 @@ class AsyncSocket:
             else:
                 break
         self._after_call()
-        await self._finish()
         return message
 
     async def receive_batch(self, max_messages: int = 256) -> list[list[InFrame]]:
@@ -316,8 +312,7 @@ class AsyncSocket:
         """
         if max_messages < 1:
             raise ValueError("max_messages must be at least 1")
-        self._check_open()
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        await self._checkpoint()
         backoff: float | None = None
         while True:
             batch = self._drain(max_messages)
@@ -325,7 +320,6 @@ class AsyncSocket:
                 break
             backoff = await self._wait(_POLLIN, backoff)
         self._after_call()
-        await self._finish()
         return batch
 
     def receive_nowait(self) -> list[InFrame]:
@@ -361,11 +355,9 @@ class AsyncSocket:
                 the identity in ``frames[0]``.
             anyio.ClosedResourceError: the socket was closed (also while waiting).
         """
-        self._check_open()
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        await self._checkpoint()
         await self._send_blocking(frames, copy=copy, track=False)
         self._after_call()
-        await self._finish()
 
     async def send_tracked(self, frames: Sequence[OutFrame]) -> zmq.MessageTracker:
         """Send zero-copy and return a tracker; ``await wait_tracker(t)`` before reusing buffers.
@@ -373,11 +365,9 @@ class AsyncSocket:
         Same waiting, cancellation and errors as :meth:`send`. Frames below pyzmq's
         copy threshold are copied anyway and their tracker is done at once.
         """
-        self._check_open()
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        await self._checkpoint()
         tracker = await self._send_blocking(frames, copy=False, track=True)
         self._after_call()
-        await self._finish()
         assert tracker is not None
         return tracker
 
@@ -625,24 +615,19 @@ class AsyncSocket:
         self._check_open()
         return None if backoff is None else min(backoff * 2, _BACKOFF_MAX)
 
-    async def _finish(self) -> None:
-        """The closing checkpoint of a call that succeeded: never drops its result."""
-        if self._is_asyncio is None:
-            self._is_asyncio = sniffio.current_async_library() == "asyncio"
-        if not self._is_asyncio:
-            await anyio.lowlevel.cancel_shielded_checkpoint()
-            return
-        try:
-            await anyio.lowlevel.cancel_shielded_checkpoint()
-        except asyncio.CancelledError as exc:
-            # A native Task.cancel() (asyncio.timeout, wait_for) pierces anyio's shield.
-            # Keep the result and re-arm the cancellation for the task's next await,
-            # keeping the cancel count unchanged so asyncio.timeout still converts it.
-            task = asyncio.current_task()
-            if task is None:
-                raise
-            task.uncancel()
-            task.cancel(exc.args[0] if exc.args else None)
+    async def _checkpoint(self) -> None:
+        """The one checkpoint of a call, taken before anything is dequeued or queued.
+
+        The non-blocking call that follows either succeeds and returns without another
+        await (so nothing can cancel it after the fact), or fails with ``Again`` and
+        waits cancellably. Checkpointing after success instead would need a shield,
+        and on asyncio a native ``Task.cancel()`` (``asyncio.timeout``) pierces anyio's
+        shield and would lose the message.
+        """
+        self._check_open()
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        await anyio.lowlevel.checkpoint()
+        self._check_open()
 
 
 def _setsockopt(sock: zmq.Socket[Any], option: int, value: OptionValue) -> None:
