@@ -144,3 +144,32 @@ def test_request_ids_are_unique() -> None:
     ids = {new_request_id() for _ in range(1000)}
     assert len(ids) == 1000
     assert new_request_id("x").startswith("x-")
+
+
+async def test_lagging_stream_coalesces_logprobs_rows_in_order() -> None:
+    stream = RequestStream("r", 0, max_pending=2)
+    for i in range(50):
+        stream._deliver(
+            _out([i, i + 1000], 1 if i == 49 else None, new_logprobs=_lp([i, i + 1000]))
+        )
+    outputs = [out async for out in stream]
+    assert len(outputs) == 2
+    tokens = [t for out in outputs for t in out.new_token_ids]
+    rows = [r for out in outputs for r in out.new_logprobs.logprob_token_ids[:, 0].tolist()]
+    assert tokens == rows == [t for i in range(50) for t in (i, i + 1000)]
+    assert outputs[-1].new_logprobs.sampled_token_ranks.shape == (98,)
+
+
+async def test_interleaved_consumption_with_coalescing() -> None:
+    stream = RequestStream("r", 0, max_pending=2)
+    seen: list[int] = []
+    for i in range(30):
+        stream._deliver(_out([i], 1 if i == 29 else None, new_logprobs=_lp([i])))
+        if i % 7 == 0:
+            out = await stream.receive()
+            seen.extend(out.new_token_ids)
+            assert out.new_logprobs.logprob_token_ids[:, 0].tolist() == out.new_token_ids
+    async for out in stream:
+        seen.extend(out.new_token_ids)
+        assert out.new_logprobs.logprob_token_ids[:, 0].tolist() == out.new_token_ids
+    assert seen == list(range(30))

@@ -27,59 +27,94 @@ if TYPE_CHECKING:
 
 __all__ = ["RequestStream", "coalesce_outputs"]
 
-# Fields merged specially by coalesce_outputs; all others keep the newest non-nil value
-# (except the ones listed in _KEEP_FIRST, which only the first output carries).
+# Fields merged specially; all others keep the newest non-nil value, except the ones in
+# _KEEP_FIRST, which only a request's first output carries.
+_SPECIAL = frozenset(
+    {"request_id", "new_token_ids", "new_logprobs", "events", "num_nans_in_logits",
+     "finish_reason", "stop_reason"}
+)  # fmt: skip
 _KEEP_FIRST = frozenset(
     {"new_prompt_logprobs_tensors", "prefill_stats", "prompt_token_id_logprobs"}
 )
+_other_fields_cache: dict[type, tuple[str, ...]] = {}
 
 
-def _concat_logprobs(a: Any, b: Any) -> Any:
-    """Row-wise concatenation of two LogprobsLists-like structs (numpy arrays)."""
+def _other_fields(cls: type) -> tuple[str, ...]:
+    fields = _other_fields_cache.get(cls)
+    if fields is None:
+        names: tuple[str, ...] = getattr(cls, "__struct_fields__", ())
+        fields = _other_fields_cache[cls] = tuple(n for n in names if n not in _SPECIAL)
+    return fields
+
+
+def _concat_logprobs(parts: list[Any]) -> Any:
+    """Row-wise concatenation of LogprobsLists-like structs (numpy arrays), once."""
     import numpy as np
 
+    first = parts[0]
+    if len(parts) == 1:
+        return first
     changes: dict[str, Any] = {}
-    for name in a.__struct_fields__:
-        x, y = getattr(a, name), getattr(b, name)
-        if name == "cu_num_generated_tokens":
-            changes[name] = None  # per-request slices carry none; offsets no longer hold
-        elif x is None or y is None:
-            changes[name] = y if x is None else x
-        elif isinstance(x, list):
-            changes[name] = x + list(y)
+    for name in first.__struct_fields__:
+        values = [getattr(p, name) for p in parts]
+        if name == "cu_num_generated_tokens" or any(v is None for v in values):
+            changes[name] = None  # offsets of the parts no longer hold for the merge
+        elif isinstance(values[0], list):
+            changes[name] = [x for v in values for x in v]
         else:
-            changes[name] = np.concatenate([np.asarray(x), np.asarray(y)], axis=0)
-    return msgspec.structs.replace(a, **changes)
+            changes[name] = np.concatenate([np.asarray(v) for v in values], axis=0)
+    return msgspec.structs.replace(first, **changes)
+
+
+def _merge_into(a: Any, b: Any, lp_parts: list[Any] | None) -> list[Any] | None:
+    """Merge output ``b`` into ``a`` in place (``a`` must be owned by the caller).
+
+    Costs O(size of ``b``): token ids and events are extended in place, and logprob
+    rows are collected in ``lp_parts`` (returned) to be concatenated once, by
+    :func:`_finish_merge`, when ``a`` is handed out.
+    """
+    a.new_token_ids.extend(b.new_token_ids)
+    a.finish_reason = b.finish_reason
+    a.stop_reason = b.stop_reason
+    logprobs = b.new_logprobs
+    if logprobs is not None:
+        if lp_parts is None:
+            lp_parts = [] if a.new_logprobs is None else [a.new_logprobs]
+        lp_parts.append(logprobs)
+    events = b.events
+    if events:
+        if a.events is None:
+            a.events = list(events)
+        else:
+            a.events.extend(events)
+    nans = b.num_nans_in_logits
+    if nans:
+        a.num_nans_in_logits = (a.num_nans_in_logits or 0) + nans
+    for name in _other_fields(type(b)):
+        value = getattr(b, name)
+        if value is not None and not (name in _KEEP_FIRST and getattr(a, name) is not None):
+            setattr(a, name, value)
+    return lp_parts
+
+
+def _finish_merge(a: Any, lp_parts: list[Any] | None) -> None:
+    if lp_parts:
+        a.new_logprobs = _concat_logprobs(lp_parts)
 
 
 def coalesce_outputs(a: Any, b: Any) -> Any:
-    """Merge output ``b`` (newer) of one request into ``a`` (older); return the merge.
+    """Return the merge of output ``b`` (newer) into ``a`` (older) of one request.
 
-    Works on any EngineCoreOutput profile (fields are looked up by name).
+    ``a`` and ``b`` are left unchanged. Works on any EngineCoreOutput profile (fields
+    are looked up by name). See the module documentation for the rules.
     """
-    changes: dict[str, Any] = {}
-    for name in a.__struct_fields__:
-        x, y = getattr(a, name), getattr(b, name)
-        if name == "request_id":
-            continue
-        if name == "new_token_ids":
-            changes[name] = list(x) + list(y)
-        elif name == "new_logprobs":
-            if x is not None and y is not None:
-                changes[name] = _concat_logprobs(x, y)
-            else:
-                changes[name] = x if y is None else y
-        elif name == "events":
-            changes[name] = None if x is None and y is None else [*(x or ()), *(y or ())]
-        elif name == "num_nans_in_logits":
-            changes[name] = (x or 0) + (y or 0)
-        elif name in ("finish_reason", "stop_reason"):
-            changes[name] = y
-        elif name in _KEEP_FIRST:
-            changes[name] = y if x is None else x
-        else:
-            changes[name] = x if y is None else y
-    return msgspec.structs.replace(a, **changes)
+    merged = msgspec.structs.replace(
+        a,
+        new_token_ids=list(a.new_token_ids),
+        events=None if a.events is None else list(a.events),
+    )
+    _finish_merge(merged, _merge_into(merged, b, None))
+    return merged
 
 
 class RequestStream:
@@ -118,6 +153,7 @@ class RequestStream:
         self._done = False  # iteration is over (final output consumed, or aborted)
         self._error: Callable[[], BaseException] | None = None
         self._in_flight = False  # counted in the client's per-rank load (routing)
+        self._lp_parts: list[Any] | None = None  # logprob rows merged into _pending[-1]
 
     def __repr__(self) -> str:
         return (
@@ -135,11 +171,17 @@ class RequestStream:
     def _deliver(self, output: Any) -> None:
         if self._received_final or self.aborted:
             return  # late output after finish/abort: ignore (PROTOCOL.md §3.4)
-        if len(self._pending) >= self.max_pending:
-            self._pending[-1] = coalesce_outputs(self._pending[-1], output)
+        pending = self._pending
+        if len(pending) >= self.max_pending:
+            # Merge into the newest buffered output, in place: it is ours (decoded for
+            # this stream alone) and the consumer has not seen it yet.
+            self._lp_parts = _merge_into(pending[-1], output, self._lp_parts)
             self.coalesced += 1
         else:
-            self._pending.append(output)
+            if self._lp_parts is not None:
+                _finish_merge(pending[-1], self._lp_parts)
+                self._lp_parts = None
+            pending.append(output)
         if output.finish_reason is not None:
             self._received_final = True
         self._wakeup.set()
@@ -152,6 +194,7 @@ class RequestStream:
     def _abort_locally(self) -> None:
         self.aborted = True
         self._pending.clear()
+        self._lp_parts = None
         self._wakeup.set()
 
     # -- consumer side ----------------------------------------------------------------
@@ -165,6 +208,9 @@ class RequestStream:
             await anyio.lowlevel.checkpoint()
             if self._pending:
                 output = self._pending.popleft()
+                if not self._pending and self._lp_parts is not None:
+                    _finish_merge(output, self._lp_parts)
+                    self._lp_parts = None
                 if output.finish_reason is not None:
                     self.finish_reason = output.finish_reason
                     self._done = True
