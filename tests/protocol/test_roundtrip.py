@@ -148,7 +148,9 @@ def test_outputs_roundtrip(profile: Any, message: EngineCoreOutputs) -> None:
 
 
 def test_utility_arity_per_release() -> None:
-    ClientCodec(V0_32_0).encode_utility(0, 1, "profile", [True, None, None, None])
+    args = [True, None, None, None]
+    ClientCodec(V0_32_0).encode_utility(0, 1, "profile", args, check_arity=True)
     with pytest.raises(ValueError, match=r"0\.\.2 positional arguments"):
-        ClientCodec(V0_25_1).encode_utility(0, 1, "profile", [True, None, None, None])
-    ClientCodec(V0_25_1).encode_utility(0, 1, "my_custom_method", [1, 2, 3, 4, 5])
+        ClientCodec(V0_25_1).encode_utility(0, 1, "profile", args, check_arity=True)
+    ClientCodec(V0_25_1).encode_utility(0, 1, "profile", args)  # unchecked by default
+    ClientCodec(V0_25_1).encode_utility(0, 1, "my_custom_method", [1, 2, 3], check_arity=True)

@@ -552,16 +552,22 @@ class ClientCodec(_CodecBase):
         return self._encode(RequestType.ABORT, ids)
 
     def encode_utility(
-        self, client_index: int, call_id: int, method: str, args: Sequence[Any] = ()
+        self,
+        client_index: int,
+        call_id: int,
+        method: str,
+        args: Sequence[Any] = (),
+        *,
+        check_arity: bool = False,
     ) -> list[OutgoingFrame]:
         """``[UTILITY][[client_index, call_id, method, args]]``.
 
         ``call_id`` must be an int other than the reserved engine notification ids
         (-1, -2) and fit int64/uint64. Struct arguments (``LoRARequest``, ...) are written
-        in this profile's layout. For the utilities the release's own client calls, the
-        number of arguments is checked against that release (a 4-argument ``profile``
-        fails on 0.25.1). ``ValueError`` for bad arguments; nothing checks that the
-        engine has ``method`` (an unknown one fails the call, not the engine).
+        in this profile's layout. With ``check_arity``, the argument count of the utilities
+        the release's own client calls is checked against that release (a 4-argument
+        ``profile`` fails on 0.25.1). ``ValueError`` for bad arguments; nothing checks
+        that the engine has ``method`` (an unknown one fails the call, not the engine).
         """
         if type(client_index) is not int or client_index < 0:
             raise ValueError(f"client_index must be a non-negative int, got {client_index!r}")
@@ -573,7 +579,7 @@ class ClientCodec(_CodecBase):
             raise ValueError(f"method must be a non-empty str, got {method!r}")
         if not _positional(args):
             raise ValueError("args must be a sequence of positional arguments")
-        arity = self.profile.utility_arity.get(method)
+        arity = self.profile.utility_arity.get(method) if check_arity else None
         if arity is not None and not arity[0] <= len(args) <= arity[1]:
             low, high = arity
             raise ValueError(
