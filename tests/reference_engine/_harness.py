@@ -134,7 +134,11 @@ class Frontend:
                     self.handshake_sock.getsockopt_string(zmq.LAST_ENDPOINT)]
         if self.control_addr:
             cmd += ["--control-address", self.control_addr]
-        cmd += list(args or [])
+        args = list(args or [])
+        if model == "echo" and "--max-model-len" not in args:
+            # Long-running requests in tests must not end at the context limit.
+            args += ["--max-model-len", "1000000"]
+        cmd += args
         self.cmd = cmd
         self.hello: HandshakeHello | None = None
         self.ready: HandshakeReady | None = None

@@ -240,3 +240,29 @@ def test_unsupported_pooling_task_is_fatal(spawn) -> None:  # type: ignore[no-un
     assert fe.wait_exit(10) == 1
 
 
+
+
+def test_sigterm_drain_mode(spawn) -> None:  # type: ignore[no-untyped-def]
+    fe = spawn(["--shutdown-timeout", "30"])
+    running = request(PROMPT, max_tokens=10**9)
+    fe.add(running)
+    fe.recv()
+    fe.signal(signal.SIGTERM)
+    time.sleep(0.3)
+    late = request(PROMPT, max_tokens=5)
+    fe.add(late)
+    call_id = fe.send_call("is_sleeping")
+    got = fe.collect([late.request_id])
+    assert got[late.request_id].finish_reason == 2  # new ADDs are answered with ABORT
+    assert got[late.request_id].tokens == []
+    assert fe.wait_reply(call_id) == ("Server shutting down", None)
+    # The running request keeps going after the signal (drain) ...
+    fe.pending.clear()
+    before = fe.recv()
+    assert isinstance(before, EngineCoreOutputs)
+    assert before.outputs[0].request_id == running.request_id
+    assert before.outputs[0].finish_reason is None
+    assert fe.proc.poll() is None
+    # ... and once nothing is left the process exits 0.
+    fe.abort([running.request_id])
+    assert fe.wait_exit(5) == 0

@@ -230,3 +230,14 @@ def test_two_clients_routed_by_client_index(spawn) -> None:  # type: ignore[no-u
     assert fe.collect([r1.request_id], client=1)[r1.request_id].tokens == list(b"one")
     failure, value = fe.call("get_weight_version", client=1)
     assert (failure, value) == (None, "default")
+
+
+def test_max_model_len(spawn) -> None:  # type: ignore[no-untyped-def]
+    fe = spawn(["--max-model-len", "16"])
+    assert fe.ready_response.max_model_len == 16
+    r = fe.generate(request(list(range(40, 50)), max_tokens=100))
+    assert r.tokens == echo_continuation(list(range(40, 50)), 6)  # 10 + 6 = 16
+    assert r.finish_reason == 1
+    too_long = request(list(range(40, 56)), max_tokens=2)  # not shorter than the limit
+    rid = fe.add(too_long, validate=False)
+    assert fe.collect([rid])[rid].finish_reason == 3

@@ -15,26 +15,14 @@ PROTOCOLS = ("0.25.1", "0.32.0", "0.33.0")
 ALL_TASKS = ("generate", "embed", "token_embed", "classify", "token_classify")
 
 _EPILOG = """\
-fault injection (each usable alone or together; steps count model steps):
-  --die-after-steps N        os._exit(1) right after step N's outputs are sent (no
-                             ENGINE_CORE_DEAD, like SIGKILL or a segfault)
-  --dead-after-steps N       after step N: send ENGINE_CORE_DEAD to every client, linger,
-                             exit with status 1 (vLLM's fatal-error path)
-  --stall-after-steps N      after step N: stop reading input and writing output (the
-                             process stays up; SIGTERM and the control socket still work)
-  --startup-delay S          sleep S seconds after the init metadata arrived (slow loading)
-  --crash-on-startup MSG     after the init metadata arrived: print MSG and
-                             "EngineCore failed to start." on stderr, exit 1, send nothing
-  --garbage-after-steps N    after step N: send one undecodable frame on every output
-                             socket, then continue normally
-  --fail-utility NAME        every call of utility NAME fails with failure_message
-                             "Call to NAME method failed: injected failure of NAME"
-  --output-delay-ms D        hold every output message D ms before sending (order kept)
+Fault flags combine; "steps" count model steps (firehose messages count as steps).
 
 control socket (--control-address ADDR): the engine binds a REP socket there and
-serves JSON commands at run time, e.g. {"cmd": "stall"}. Commands: ping, kill [code],
-dead, stall, unstall, garbage, delay {"ms": D}, fail_utility {"name": N},
-unfail_utility {"name": N}, shutdown. See docs/reference-engine.md.
+answers JSON commands at run time, e.g. {"cmd": "stall"} -> {"ok": true}. Commands:
+ping (state), kill {"code": N} (os._exit now), dead (ENGINE_CORE_DEAD now, exit 1),
+stall, unstall, garbage (one undecodable frame on every output socket), delay
+{"ms": D}, fail_utility {"name": N}, unfail_utility {"name": N}, shutdown (as SIGTERM).
+See docs/reference-engine.md.
 """
 
 
@@ -151,16 +139,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every ADD joins a firehose: messages of BATCH one-token outputs "
                         "are sent as fast as the socket takes them (round robin over the "
                         "live requests) until max_tokens or ABORT")
-    f = p.add_argument_group("fault injection (see below)")
-    f.add_argument("--die-after-steps", type=int, metavar="N")
-    f.add_argument("--dead-after-steps", type=int, metavar="N")
-    f.add_argument("--stall-after-steps", type=int, metavar="N")
-    f.add_argument("--startup-delay", type=float, default=0.0, metavar="S")
-    f.add_argument("--crash-on-startup", metavar="MSG")
-    f.add_argument("--garbage-after-steps", type=int, metavar="N")
-    f.add_argument("--fail-utility", action="append", default=[], metavar="NAME")
-    f.add_argument("--output-delay-ms", type=float, default=0.0, metavar="D")
-    p.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
+    f = p.add_argument_group("fault injection")
+    f.add_argument("--die-after-steps", type=int, metavar="N",
+                   help="os._exit(1) right after step N's outputs (no ENGINE_CORE_DEAD, "
+                        "like SIGKILL or a segfault)")
+    f.add_argument("--dead-after-steps", type=int, metavar="N",
+                   help="after step N: ENGINE_CORE_DEAD to every client, linger, exit 1 "
+                        "(vLLM's fatal-error path)")
+    f.add_argument("--stall-after-steps", type=int, metavar="N",
+                   help="after step N: stop reading input and writing output; the process "
+                        "stays up (SIGTERM and the control socket still work)")
+    f.add_argument("--startup-delay", type=float, default=0.0, metavar="S",
+                   help="sleep S seconds after the init metadata arrived (slow loading)")
+    f.add_argument("--crash-on-startup", metavar="MSG",
+                   help="after the init metadata arrived: print MSG and 'EngineCore failed "
+                        "to start.' on stderr, exit 1, send nothing more")
+    f.add_argument("--garbage-after-steps", type=int, metavar="N",
+                   help="after step N: one undecodable frame on every output socket, then "
+                        "carry on")
+    f.add_argument("--fail-utility", action="append", default=[], metavar="NAME",
+                   help="utility NAME always fails ('Call to NAME method failed: injected "
+                        "failure of NAME'); repeatable")
+    f.add_argument("--output-delay-ms", type=float, default=0.0, metavar="D",
+                   help="hold every output message D ms before sending it (order kept)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log startup and connection details to stderr")
     return p
 
 

@@ -289,6 +289,12 @@ class EngineServer:
         )
         hs.close(linger=_HANDSHAKE_LINGER_MS)
         self.handshake = None
+        if opts.verbose:
+            _log(
+                f"rank {self.rank} ready ({opts.model} on {self.model.device}, vLLM "
+                f"{opts.protocol} protocol): inputs {list(addresses.inputs)}, outputs "
+                f"{list(addresses.outputs)}, coordinator {self.coordinator_addresses}"
+            )
         return None
 
     def _connect(
@@ -540,8 +546,18 @@ class EngineServer:
             raise ValueError("multimodal inputs are not supported by this model")
         if req.resumable:
             raise ValueError("streaming-input (resumable) requests are not supported")
-        if sp is not None and sp.structured_outputs is not None:
-            raise ValueError("structured outputs are not supported by this engine")
+        if sp is not None:
+            unsupported = {
+                "structured_outputs": sp.structured_outputs is not None,
+                "logprob_token_ids": sp.logprob_token_ids is not None,
+                "prompt_logprob_token_ids": sp.prompt_logprob_token_ids is not None,
+                "thinking_token_budget": sp.thinking_token_budget is not None,
+                "repetition_detection": sp.repetition_detection is not None
+                and sp.repetition_detection.max_pattern_size > 0,
+            }
+            for name, used in unsupported.items():
+                if used:
+                    raise ValueError(f"{name} is not supported by this engine")
         if req.client_index < 0:
             raise ValueError(f"invalid client_index {req.client_index}")
         embeds = mask = None
