@@ -199,6 +199,10 @@ class EngineCoreClient:
         """Request ids the client considers running (streams and raw requests)."""
         return [*self._streams, *self._raw_requests]
 
+    def dead_error(self) -> EngineDeadError | None:
+        """A fresh copy of the error calls raise once dead (``None`` while alive)."""
+        return self._dead_error() if self.dead else None
+
     async def wait_dead(self) -> EngineDeadError:
         """Wait until the client is dead; return the error calls raise from then on."""
         await self._dead_event.wait()
