@@ -142,6 +142,13 @@ async def test_vllm_engines_without_vllm_fail_startup_clearly() -> None:
     assert "exited with code 1" in str(info.value)
 
 
+async def test_missing_python_is_a_startup_error() -> None:
+    source = VllmEngines("m", python="/nonexistent/bin/python")
+    with pytest.raises(EngineStartupError, match=r"cannot start .*nonexistent"):
+        async with open_client(source, ready_timeout=30):
+            pytest.fail("must not start")
+
+
 async def test_tiny_model_with_logprobs() -> None:
     engines = ReferenceEngines(model="tiny", device="cpu")
     async with open_client(engines, ready_timeout=60) as client:

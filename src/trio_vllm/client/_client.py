@@ -945,7 +945,13 @@ async def open_client(
                         startup.exited = process
                         startup.fail(EngineStartupError(process.describe_exit()))
 
-                processes.extend(await engines.spawn(handshake_address))
+                try:
+                    processes.extend(await engines.spawn(handshake_address))
+                except OSError as exc:
+                    raise EngineStartupError(
+                        f"cannot start {engines.describe()}: {exc}. Check the python "
+                        "executable and the command line."
+                    ) from exc
                 for process in processes:
                     tg.start_soon(process.watch, on_exit)
                 tg.start_soon(_serve_handshake, startup, handshake_socket, input_socket)
