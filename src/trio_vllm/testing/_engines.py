@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, final
 
@@ -134,14 +135,20 @@ class ReferenceEngineSet:
 
 
 async def _ask_to_shut_down(client: EngineCoreClient, controls: Sequence[EngineControl]) -> None:
-    """Start the engines' clean shutdown through their control sockets (best effort).
+    """Make the engines exit promptly before ``open_client`` stops them (best effort).
 
     The reference engine can miss a SIGTERM that arrives while it blocks in ``poll``
     (the signal may be delivered to a helper thread), which costs the whole
-    ``shutdown_grace`` before SIGKILL. The control command takes the same shutdown path
-    at once; ``open_client`` then sends SIGTERM, waits and reaps as usual.
+    ``shutdown_grace`` before SIGKILL; the control socket's ``shutdown`` takes the same
+    clean path at once. Once the client is dead nothing is left to observe, and an
+    engine on vLLM's fatal path lingers seconds to flush ``ENGINE_CORE_DEAD``: those get
+    SIGKILL (their pids cannot be reused before ``open_client`` reaps them).
+    ``open_client`` then sends SIGTERM, waits and reaps as usual.
     """
     if client.dead:
+        for control in controls:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                control.send_signal(signal.SIGKILL)
         return
     with anyio.CancelScope(shield=True):
         for control in controls:
