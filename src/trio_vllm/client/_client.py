@@ -1013,7 +1013,7 @@ async def open_client(
     finally:
         for socket in sockets:
             socket.close(linger=0)
-        context.term()
+        context.destroy(linger=0)  # closes anything left open, never blocks
         ipc_dir.cleanup()
     if body_error is not None:
         raise body_error
