@@ -26,6 +26,7 @@ from .client import make_request as make_request
 from .client import new_request_id as new_request_id
 from .client import open_client as open_client
 from .client import prepare_sampling_params as prepare_sampling_params
+from .client._inproc import InprocEngine as InprocEngine
 from .protocol import ENGINE_CORE_DEAD as ENGINE_CORE_DEAD
 from .protocol import PROFILES as PROFILES
 from .protocol import ClientCodec as ClientCodec

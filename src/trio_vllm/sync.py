@@ -262,10 +262,7 @@ class SyncClient:
         """Run ``func(*args)`` in the loop thread and wait; cancel it if we are interrupted."""
         portal = self._portal
         if portal is None:
-            client = self._client
-            if client is not None:
-                raise client._dead_error()
-            raise RuntimeError("the SyncClient is not open (use it as a context manager)")
+            raise self._closed_error()
         if threading.get_ident() == self._loop_thread_id:
             raise RuntimeError("SyncClient methods cannot be called from its own event loop")
         try:
@@ -274,9 +271,7 @@ class SyncClient:
             future = portal.start_task_soon(func, *args)
         except RuntimeError:
             # The portal stopped between our check and the call: the client is closed.
-            if self._client is not None:
-                raise self._client._dead_error() from None
-            raise
+            raise self._closed_error() from None
         try:
             return future.result()
         except BaseException:
@@ -284,6 +279,12 @@ class SyncClient:
             # completes or is cancelled with nothing changed (no-op if it finished).
             future.cancel()
             raise
+
+    def _closed_error(self) -> Exception:
+        dead = None if self._client is None else self._client.dead_error()
+        if dead is not None:
+            return dead  # closed after it was open: what every call raises from then on
+        return RuntimeError("the SyncClient is not open (use it as a context manager)")
 
     def _get(self, read: Callable[[EngineCoreClient], T]) -> T:
         client = self.async_client
