@@ -47,7 +47,7 @@ from trio_vllm.protocol import (
 )
 
 FUZZ = settings(
-    max_examples=150,
+    max_examples=100,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

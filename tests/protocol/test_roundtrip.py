@@ -29,7 +29,7 @@ from trio_vllm.protocol import (
 from trio_vllm.protocol.structs import EngineCoreEvent, EngineCoreEventType
 
 ROUNDTRIP = settings(
-    max_examples=60, deadline=None, derandomize=True,
+    max_examples=40, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
 PROFILES = (V0_25_1, V0_32_0, V0_33_0)

@@ -167,6 +167,8 @@ _TORCH_ONLY_ITEMSIZE: Final[dict[str, int]] = {
     "chalf": 4,
 }
 _ALLOWED_NUMPY_KINDS: Final = frozenset("biufc")
+# torch tensors over read-only buffers smaller than this are copied instead of shared.
+_TORCH_COPY_BELOW: Final = 64 * 1024
 
 
 def _check_triple(obj: Any) -> tuple[str, tuple[int, ...], Any]:
@@ -308,10 +310,16 @@ def _torch_from_buffer(torch: Any, dtype: str, shape: tuple[int, ...], buf: memo
     _check_size(shape, itemsize, buf.nbytes, dtype)
     if buf.nbytes == 0:
         return torch.empty(shape, dtype=tdt)
-    with warnings.catch_warnings():
-        # The frame is read-only; torch warns about that but shares it fine.
-        warnings.simplefilter("ignore")
+    if not buf.readonly:
         flat = torch.frombuffer(buf, dtype=torch.uint8)
+    elif buf.nbytes < _TORCH_COPY_BELOW:
+        # Small (e.g. inline) data: a copy is cheaper than silencing torch's warning.
+        flat = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+    else:
+        with warnings.catch_warnings():
+            # Large frames are shared, not copied; torch warns that they are read-only.
+            warnings.simplefilter("ignore")
+            flat = torch.frombuffer(buf, dtype=torch.uint8)
     return flat.view(tdt).view(shape)
 
 
