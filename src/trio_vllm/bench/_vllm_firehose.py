@@ -1,0 +1,106 @@
+"""Run by *another* python (one with vLLM): vLLM's own ``AsyncMPClient`` drains a firehose.
+
+``trio-vllm bench firehose --vllm-python PY`` runs ``PY this_file.py --input A --output B
+--requests N --tokens T --model DIR``. The script builds a minimal ``VllmConfig`` (the
+tiny model config, dummy weights never loaded here, no tokenizer), constructs the real
+``AsyncMPClient`` with ``client_addresses`` so that it binds the input ROUTER at ``A``
+and the output PULL at ``B`` and waits for the engine's ready message, exactly as a vLLM
+API server does for externally managed engines. The bench connects a reference engine
+in direct mode to those addresses. The script then sends N ADDs with
+``add_request_async`` and calls ``get_output_async`` until every request finished, and
+prints one JSON line: outputs, messages, seconds.
+
+Never imported by trio-vllm: it imports vLLM, pyzmq and the standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def _config(model: str) -> Any:
+    engine_args = importlib.import_module("vllm.engine.arg_utils")
+    return engine_args.EngineArgs(
+        model=model,
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+    ).create_engine_config()
+
+
+async def _run(args: argparse.Namespace, config: Any) -> dict[str, Any]:
+    # By name at run time: trio-vllm never imports vLLM (this runs in vLLM's python).
+    sampling_params = importlib.import_module("vllm").SamplingParams
+    engine_core_request = importlib.import_module("vllm.v1.engine").EngineCoreRequest
+    async_mp_client = importlib.import_module("vllm.v1.engine.core_client").AsyncMPClient
+    executor = importlib.import_module("vllm.v1.executor.abstract").Executor
+
+    begin = time.perf_counter()
+    # Binds both sockets and blocks until the engine's ready message arrived.
+    client = async_mp_client(
+        config,
+        executor,
+        log_stats=False,
+        client_addresses={"input_address": args.input, "output_address": args.output},
+    )
+    ready_s = time.perf_counter() - begin
+    try:
+        requests = [
+            engine_core_request(
+                request_id=f"vllm-bench-{i}",
+                prompt_token_ids=[1, 2, 3],
+                mm_features=None,
+                sampling_params=sampling_params.from_optional(
+                    max_tokens=args.tokens, detokenize=False, temperature=0.0
+                ),
+                pooling_params=None,
+                arrival_time=time.time(),
+                lora_request=None,
+                cache_salt=None,
+                data_parallel_rank=None,
+            )
+            for i in range(args.requests)
+        ]
+        start = time.perf_counter()
+        for request in requests:
+            await client.add_request_async(request)
+        outputs = messages = finished = 0
+        while finished < args.requests:
+            batch = await client.get_output_async()
+            messages += 1
+            for out in batch.outputs:
+                outputs += len(out.new_token_ids)
+                finished += out.finish_reason is not None
+        seconds = time.perf_counter() - start
+    finally:
+        client.shutdown()
+    return {"outputs": outputs, "messages": messages, "seconds": seconds, "ready_s": ready_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", required=True)
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--requests", type=int, required=True)
+    parser.add_argument("--tokens", type=int, required=True)
+    parser.add_argument("--model", required=True)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    config = _config(args.model)
+    result = asyncio.run(_run(args, config))
+    result["vllm_version"] = importlib.import_module("vllm").__version__
+    print("RESULT " + json.dumps(result), flush=True)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

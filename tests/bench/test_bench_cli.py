@@ -1,0 +1,93 @@
+"""Smoke tests: each ``trio-vllm bench`` subcommand runs with tiny sizes and prints one
+valid JSON object with the fields the docs and ``bench/plots.py`` rely on.
+
+Not timed tests: nothing here asserts a speed, only that the benchmarks run end to
+end against real engine processes and report figures that are consistent.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+CLI = [sys.executable, "-m", "trio_vllm.cli", "bench"]
+
+
+def bench(*args: str, timeout: float = 110) -> dict[str, Any]:
+    proc = subprocess.run(
+        [*CLI, *args, "--json"], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout  # one JSON object, nothing else on stdout
+    result: dict[str, Any] = json.loads(lines[0])
+    assert result["machine"]["cores"] >= 1
+    assert result["machine"]["date"].endswith("UTC")
+    return result
+
+
+@pytest.mark.timeout(150)
+def test_firehose() -> None:
+    result = bench("firehose", "--batch", "3", "--messages", "60", "--requests", "2",
+                   "--consumers", "4")  # fmt: skip
+    assert result["bench"] == "firehose"
+    (run,) = result["runs"]
+    assert run["batch"] == 3
+    cases = run["cases"]
+    assert set(cases) == {"a", "b", "c", "d4"}
+    # a, b, c: 2 requests x 90 outputs; d: 4 streams x max(32, 180 // 4) outputs.
+    for key in ("a", "b", "c"):
+        assert cases[key]["outputs"] == 2 * 90
+        assert cases[key]["outputs_per_s"] > 0
+        assert cases[key]["messages"] == 60  # 3 outputs per message, none left over
+    assert cases["d4"]["outputs"] == 4 * 45
+    assert run["ratios"]["b/a"] == pytest.approx(
+        cases["b"]["outputs_per_s"] / cases["a"]["outputs_per_s"]
+    )
+    assert run["ratios"]["b/e"] is None  # no --vllm-python
+
+
+@pytest.mark.timeout(120)
+def test_latency() -> None:
+    result = bench("latency", "--rounds", "20", "--samples")
+    assert [r["backend"] for r in result["runs"]] == ["trio", "asyncio"]
+    for run in result["runs"]:
+        for case in ("raw", "stream", "get_output"):
+            stats = run["cases"][case]
+            assert 0 < stats["p50_us"] <= stats["p99_us"]
+            assert len(run["samples_us"][case]) == 20
+        assert run["ratios"]["stream/raw p50"] == pytest.approx(
+            run["cases"]["stream"]["p50_us"] / run["cases"]["raw"]["p50_us"]
+        )
+
+
+@pytest.mark.timeout(120)
+def test_idle() -> None:
+    result = bench("idle", "--seconds", "0.3", "--engines", "1", "--backend", "trio")
+    cpu = result["cpu_ms_per_5s"]
+    assert set(cpu) == {"anchor blocking poll", "trio event loop alone",
+                        "trio client, 1 idle engines"}  # fmt: skip
+    assert all(v >= 0 for v in cpu.values())
+
+
+@pytest.mark.timeout(120)
+def test_startup() -> None:
+    result = bench("startup", "--rounds", "1", "--backend", "asyncio")
+    med = result["median"]
+    assert med["engine"]["ready_ms"] > 0
+    assert med["asyncio"]["ready_ms"] > 0
+    assert med["asyncio"]["shutdown_ms"] >= 0
+    assert med["asyncio"]["overhead_ms"] == pytest.approx(
+        med["asyncio"]["ready_ms"] - med["engine"]["ready_ms"]
+    )
+
+
+def test_help_lists_benchmarks() -> None:
+    proc = subprocess.run([*CLI, "--help"], capture_output=True, text=True, timeout=30,
+                          check=True)  # fmt: skip
+    for name in ("firehose", "latency", "idle", "startup"):
+        assert name in proc.stdout
