@@ -41,6 +41,10 @@ def _build_parser() -> argparse.ArgumentParser:
     from ._cli_generate import add_generate_parser
 
     add_generate_parser(commands)
+
+    from .bench import add_bench_parser
+
+    add_bench_parser(commands)
     return parser
 
 
@@ -55,6 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._cli_generate import run_generate
 
         return run_generate(args)
+    if args.command == "bench":
+        from .bench import run_bench
+
+        return run_bench(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse enforces choices
 
 
