@@ -311,3 +311,34 @@ async def test_asyncio_native_timeout_on_utility_call() -> None:
                 await consume()
         assert client.live_requests == []
         assert await echo(client, "next") == [["next"]]
+
+
+async def test_deferred_utility_reply_out_of_order() -> None:
+    """A ``wait`` pause is answered only when the running request is done; calls made
+    meanwhile are answered first. Replies are matched by call id, not by order."""
+    engines = ReferenceEngines(model="echo", extra_args=LONG)
+    async with open_client(engines, ready_timeout=30) as client:
+        order: list[str] = []
+
+        async def pause() -> None:
+            await client.pause_scheduler("wait", False)
+            order.append("pause")
+
+        with anyio.fail_after(20):
+            async with client.generate(make_request([1, 2], max_tokens=900_000)) as stream:
+                await stream.receive()
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(pause)
+                    await anyio.sleep(0.05)
+                    assert client.pending_utility_calls == 1  # the pause waits
+                    assert await echo(client, "quick") == [["quick"]]
+                    order.append("quick")
+                    assert await client.get_weight_version() == "default"
+                    order.append("version")
+                    assert order == ["quick", "version"]
+                    # Ending the request lets the pause complete.
+                    await client.abort_requests([stream.request_id])
+        assert order == ["quick", "version", "pause"]
+        assert await client.is_scheduler_paused() is True
+        await client.resume_scheduler()
+        assert await client.is_scheduler_paused() is False
