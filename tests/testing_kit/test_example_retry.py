@@ -18,7 +18,12 @@ import trio
 from trio_vllm import EngineDeadError
 from trio_vllm.client import make_request
 from trio_vllm.reference_engine import echo_continuation
-from trio_vllm.testing import EngineConfig, ReferenceEngineSet, open_reference_engines
+from trio_vllm.testing import (
+    EngineConfig,
+    ReferenceEngineSet,
+    engine_mock_clock,
+    open_reference_engines,
+)
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
@@ -131,4 +136,18 @@ async def test_backoff_in_virtual_time(engine_clock: trio.testing.MockClock) -> 
     assert tokens == echo_continuation([8, 9], 4)
     assert len(engines.opened) == 3
     assert trio.current_time() - virtual >= 180.0
+    assert time.monotonic() - real < 60.0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "anyio_backend", [pytest.param(("trio", {"clock": engine_mock_clock()}), id="trio-mock-clock")]
+)
+async def test_backoff_in_virtual_time_with_anyio() -> None:
+    # The same with anyio's plugin: the clock goes in through the backend options.
+    engines = Engines(EngineConfig(faults=("--die-after-steps", "1")), EngineConfig())
+    virtual, real = trio.current_time(), time.monotonic()
+    tokens = await generate_with_retry(engines.connect, [3], max_tokens=2, backoff=90.0)
+    assert tokens == [3, 3]
+    assert trio.current_time() - virtual >= 90.0
     assert time.monotonic() - real < 60.0

@@ -209,5 +209,5 @@ async def open_reference_engines(
                 await _ask_to_shut_down(client, controls)
                 await client_cm.__aexit__(None, None, None)
     finally:
-        context.term()
+        context.destroy(linger=0)  # never blocks, even on a command still in flight
         ipc.cleanup()
