@@ -7,6 +7,9 @@ Cases:
   same with ``validate=False`` (the codec's own cost).
 * ``decode_step64``: one decode step carrying 64 outputs (one new token each), against
   ``msgspec.msgpack.Decoder(EngineCoreOutputs).decode(frame)``.
+* ``decode_step64_v0_25_1``: the same step from a 0.25.1 engine, whose layout needs a
+  conversion into the canonical structs (ceiling: bare decode into that release's wire
+  classes).
 * ``decode_logprobs_aux``: one output with 64 tokens of top-8 sample logprobs whose three
   arrays travel in extra frames, against a bare typed decode whose dec_hook does the
   minimum (look up the frame, ``np.frombuffer``, reshape), as vLLM's decoder does.
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 from trio_vllm.protocol import (
+    V0_25_1,
     ClientCodec,
     EngineCodec,
     EngineCoreOutput,
@@ -142,6 +146,17 @@ def run(rounds: int) -> dict[str, Any]:
     ours, ceiling = _interleaved(lambda: client.decode_outputs(step),
                                  lambda: bare_decoder.decode(main), rounds)
     results["decode_step64"] = (ours, ceiling)
+
+    # The same step from a 0.25.1 engine: its EngineCoreOutput layout differs mid-array,
+    # so the codec decodes into that release's wire classes and converts (ceiling: the
+    # bare decode into the wire classes alone).
+    old_client, old_engine = ClientCodec(V0_25_1), EngineCodec(V0_25_1)
+    old_step = [bytes(f) for f in old_engine.encode_outputs(_step64())]
+    old_bare = msgspec.msgpack.Decoder(old_client._layouts.outputs_wire)
+    old_main = old_step[0]
+    ours, ceiling = _interleaved(lambda: old_client.decode_outputs(old_step),
+                                 lambda: old_bare.decode(old_main), rounds)
+    results["decode_step64_v0_25_1"] = (ours, ceiling)
 
     frames = [bytes(f) for f in engine.encode_outputs(_logprobs_message())]
     assert len(frames) == 4

@@ -26,6 +26,7 @@ arrays/tensors passed in: do not modify those until the frames are sent.
 
 from __future__ import annotations
 
+import operator
 import pickle
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
@@ -251,6 +252,8 @@ class _Layouts:
             )
         self.output_wire: type[msgspec.Struct] | None = None
         self.outputs_wire: type[msgspec.Struct] | None = None
+        self._output_from_wire = _positional_converter(EngineCoreOutput, lay["EngineCoreOutput"])
+        self._outputs_names = lay["EngineCoreOutputs"]
         if not _is_prefix(EngineCoreOutput, lay["EngineCoreOutput"]):
             self.output_wire = _wire_class(
                 EngineCoreOutput,
@@ -388,11 +391,51 @@ class _Layouts:
         return EngineCoreRequest(**kwargs)
 
     def outputs_from_wire(self, wire: Any) -> EngineCoreOutputs:
+        convert = self._output_from_wire
+        if convert is None:
+            return self._outputs_from_wire_slow(wire)
+        astuple = msgspec.structs.astuple
+        outputs = [convert(astuple(o)) for o in wire.outputs]
+        return EngineCoreOutputs(
+            **{k: getattr(wire, k) for k in self._outputs_names if k != "outputs"},
+            outputs=outputs,
+        )
+
+    def _outputs_from_wire_slow(self, wire: Any) -> EngineCoreOutputs:
         kwargs = msgspec.structs.asdict(wire)
         kwargs["outputs"] = [
             EngineCoreOutput(**msgspec.structs.asdict(o)) for o in kwargs["outputs"]
         ]
         return EngineCoreOutputs(**kwargs)
+
+
+def _positional_converter(
+    cls: type[msgspec.Struct], layout: tuple[str, ...]
+) -> Callable[[tuple[Any, ...]], Any] | None:
+    """``astuple(wire) -> cls`` by position, in C where possible (hot path of old releases).
+
+    Canonical fields missing from ``layout`` before its last field must default to None
+    (they are filled from an appended None); otherwise returns None (use kwargs).
+    """
+    names = _names(cls)
+    info = {f.name: f for f in msgspec.structs.fields(cls)}
+    wire_pos = {n: i for i, n in enumerate(layout)}
+    last = max(names.index(n) for n in layout)
+    indices: list[int] = []
+    for name in names[: last + 1]:
+        if name in wire_pos:
+            indices.append(wire_pos[name])
+        elif info[name].default is None:
+            indices.append(len(layout))  # the appended None
+        else:
+            return None
+    getter = operator.itemgetter(*indices)
+    pad = (None,)
+
+    def convert(values: tuple[Any, ...]) -> Any:
+        return cls(*getter(values + pad))
+
+    return convert
 
 
 def _as_torch_layout(arr: np.ndarray[Any, Any]) -> RawTensor:
