@@ -815,7 +815,11 @@ class EngineCodec(_CodecBase):
             raise self._fail("LoRARequest argument", exc) from None
 
     def encode_outputs(self, outputs: EngineCoreOutputs) -> list[OutgoingFrame]:
-        """``[EngineCoreOutputs][aux...]`` in this profile's layout."""
+        """``[EngineCoreOutputs][aux...]`` in this profile's layout.
+
+        Fields the release does not have are dropped. ``TypeError`` for a value msgpack
+        cannot carry (a stock engine's output thread dies on those, §6.5).
+        """
         return self._encode(None, self._layouts.outputs(outputs))
 
     def encode_dead(self) -> list[OutgoingFrame]:
@@ -851,7 +855,12 @@ def decode_ready_response(frame: Frame) -> EngineCoreReadyResponse:
 def encode_ready_response(
     response: EngineCoreReadyResponse, profile: ProtocolProfile | None = None
 ) -> bytes:
-    """Encode a ready response with the keys of ``profile``'s release, in vLLM's order."""
+    """Encode a ready response with the keys of ``profile``'s release, in vLLM's order.
+
+    Every key of the release is written (``None`` for unset fields); a 0.32.0+ frontend
+    of vLLM itself requires the parallel sizes, ``data_parallel_rank``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``instance_id``, ``supports_lora`` and ``max_loras``.
+    """
     keys = (profile or newest_profile()).map_keys["EngineCoreReadyResponse"]
     return _plain_encoder.encode({k: getattr(response, k) for k in keys})
 

@@ -92,7 +92,8 @@ ENGINE_CORE_DEAD: Final = b"ENGINE_CORE_DEAD"
 
 
 class EngineCoreDead:
-    """What decoding the ``ENGINE_CORE_DEAD`` frame returns (a singleton, falsy-free)."""
+    """What decoding the ``ENGINE_CORE_DEAD`` frame returns (a singleton: test with ``is``
+    or ``isinstance``). The engine is gone; fail everything that waits on it."""
 
     __slots__ = ()
     _instance: ClassVar[EngineCoreDead | None] = None
