@@ -12,7 +12,12 @@ import anyio.lowlevel
 import pytest
 
 from trio_vllm.client import make_request
-from trio_vllm.testing import CheckpointRun, ReferenceEngineSet, check_cancellation
+from trio_vllm.testing import (
+    CheckpointRun,
+    ReferenceEngineSet,
+    assert_no_task_leaks,
+    check_cancellation,
+)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -121,6 +126,17 @@ async def test_cancellation_in_a_shielded_section_is_not_delivered() -> None:
     assert report.runs[1].outcome == "cancelled"
     assert report.runs[2].cancel_requested
     assert report.runs[2].outcome == "returned"
+
+
+async def test_assert_no_task_leaks() -> None:
+    async with anyio.create_task_group() as outer:
+        with pytest.raises(AssertionError, match="lingering"):
+            async with assert_no_task_leaks(settle=0.05):
+                outer.start_soon(anyio.sleep_forever, name="lingering")
+        outer.cancel_scope.cancel()
+    async with assert_no_task_leaks() as snapshot, anyio.create_task_group() as inner:
+        inner.start_soon(anyio.sleep, 0.01)
+    assert snapshot.new_tasks() == []
 
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])
