@@ -8,7 +8,9 @@ every later call must raise too, also when no request was ever sent.
 from __future__ import annotations
 
 import os
+import select
 import signal
+import threading
 import time
 
 import anyio
@@ -21,8 +23,26 @@ from .conftest import child_pids
 
 pytestmark = pytest.mark.anyio
 
-# Budget for "promptly": the 100 ms of the specification. Measured figures are printed.
+# Budget for "promptly": the 100 ms of the specification, counted from the moment the
+# exit is observable (the process's pidfd becomes readable), not from the kill: under
+# load, the kernel may take a while to tear a process down. Figures are printed.
 PROMPT_S = 0.1
+
+
+def _watch_exit(pid: int) -> list[float]:
+    """Start a thread that records when ``pid``'s exit becomes observable (pidfd)."""
+    fd = os.pidfd_open(pid)
+    seen: list[float] = []
+
+    def wait() -> None:
+        try:
+            select.select([fd], [], [])
+            seen.append(time.monotonic())
+        finally:
+            os.close(fd)
+
+    threading.Thread(target=wait, name="test-pidfd-watch", daemon=True).start()
+    return seen
 
 
 async def _assert_every_call_raises(client: EngineCoreClient) -> None:
@@ -80,10 +100,14 @@ async def test_kill_wakes_every_waiter_promptly() -> None:
                     tg.start_soon(waiter)
                 await anyio.sleep(0.3)  # every waiter is blocked now
                 assert client.pending_utility_calls == 1
+                observable = _watch_exit(pid)
                 killed_at.append(time.monotonic())
                 os.kill(pid, signal.SIGKILL)
-        delays = {k: v - killed_at[0] for k, v in raised.items()}
-        print("death latency after SIGKILL (s):", delays)
+        delays = {k: v - observable[0] for k, v in raised.items()}
+        print(
+            f"exit observable {observable[0] - killed_at[0]:.4f} s after SIGKILL; "
+            f"waiters raised after (s): {delays}"
+        )
         assert set(delays) == {"stream", "utility", "get_output", "wait_dead"}
         assert max(delays.values()) < PROMPT_S
         assert client.pending_utility_calls == 0
@@ -95,12 +119,12 @@ async def test_kill_wakes_every_waiter_promptly() -> None:
 async def test_death_before_any_request_is_noticed() -> None:
     async with open_client(ReferenceEngines(model="echo"), ready_timeout=30) as client:
         (pid,) = client.engine_pids.values()
-        start = time.monotonic()
+        observable = _watch_exit(pid)
         os.kill(pid, signal.SIGKILL)
         with anyio.fail_after(5):
             error = await client.wait_dead()
-        delay = time.monotonic() - start
-        print(f"death noticed {delay * 1000:.1f} ms after SIGKILL, no request sent")
+        delay = time.monotonic() - observable[0]
+        print(f"death noticed {delay * 1000:.1f} ms after the exit, no request sent")
         assert delay < PROMPT_S
         assert error.rank == 0
         await _assert_every_call_raises(client)
