@@ -366,3 +366,17 @@ def test_codecs_are_reusable_after_errors() -> None:
         with pytest.raises(ProtocolError):
             client.decode_outputs([b"\xc1"])
         assert isinstance(client.decode_outputs(good), EngineCoreOutputs)
+
+
+def test_protocol_errors_name_the_message_and_the_place() -> None:
+    outs = EngineCoreOutputs(outputs=[EngineCoreOutput("r", [1])], timestamp=0.0)
+    body = msgspec.msgpack.decode(EngineCodec().encode_outputs(outs)[0])
+    body[1][0][5] = "stop"  # finish_reason must be an int
+    with pytest.raises(ProtocolError) as info:
+        ClientCodec().decode_outputs([msgspec.msgpack.encode(body)])
+    message = str(info.value)
+    assert "EngineCoreOutputs" in message
+    assert "0.33.0" in message
+    assert "$[1][0][5]" in message
+    with pytest.raises(ProtocolError, match=r"ADD \(EngineCoreRequest\)"):
+        EngineCodec().decode_input([b"\x00", msgspec.msgpack.encode([1] * 9)])
