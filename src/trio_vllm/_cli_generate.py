@@ -277,6 +277,15 @@ def _decode_text(ids: list[int]) -> str:
     return bytes(t for t in ids if 0 <= t < _BYTE_VOCAB).decode("utf-8", "replace")
 
 
+def _short_name(args: argparse.Namespace) -> str:
+    plural = "s" if args.engines > 1 else ""
+    if args.connect is not None:
+        return f"{args.engines} engine{plural} at {args.connect}"
+    if args.engine == "vllm":
+        return f"{args.engines} vLLM engine{plural}"
+    return f"{args.engines} reference engine{plural} ({args.model or 'echo'})"
+
+
 async def _generate(args: argparse.Namespace, prompts: list[tuple[list[int], bool]]) -> int:
     import anyio
 
@@ -284,7 +293,7 @@ async def _generate(args: argparse.Namespace, prompts: list[tuple[list[int], boo
 
     engines = _engine_source(args)
     out, err = sys.stdout, sys.stderr
-    progress = _Progress(err, engines.describe(), enabled=not args.json)
+    progress = _Progress(err, _short_name(args), enabled=not args.json)
     text_prompts = any(as_text for _, as_text in prompts)
     if not args.json and text_prompts and not isinstance(engines, ReferenceEngines):
         err.write(
@@ -297,7 +306,9 @@ async def _generate(args: argparse.Namespace, prompts: list[tuple[list[int], boo
             async with open_client(
                 engines, ready_timeout=args.ready_timeout, on_progress=progress.update
             ) as client:
-                progress.done(f"{len(client.ranks)} engine(s) ready (vLLM {client.vllm_version})")
+                progress.done(
+                    f"{len(client.ranks)} engine(s) ready (protocol of vLLM {client.vllm_version})"
+                )
                 eos = args.eos_token_id
                 if eos is None and isinstance(engines, ReferenceEngines):
                     # The reference engine's worker reports its vocabulary's EOS id.
