@@ -3,6 +3,7 @@ firehose, prompt embeddings on the tiny model, and startup time."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import msgspec
@@ -162,11 +163,46 @@ def test_tiny_prompt_embeds_match_token_ids(spawn) -> None:  # type: ignore[no-u
     assert mixed.tokens == by_ids
 
 
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
 def test_echo_engine_starts_and_answers_fast(spawn) -> None:  # type: ignore[no-untyped-def]
     t0 = time.monotonic()
     fe = spawn()
     r = fe.generate(request(PROMPT, max_tokens=1))
-    elapsed = time.monotonic() - t0
+    wall = time.monotonic() - t0
+    cpu = _cpu_seconds(fe.proc.pid)
     assert r.tokens == PROMPT[:1]
-    # The target is < 2 s on an idle machine (measured ~0.6 s); leave room for load.
-    assert elapsed < 4.0, elapsed
+    # The target is "answers a first request in under 2 s on CPU". Wall time depends on
+    # how busy the machine is (~0.6 s idle here), so assert the engine's own CPU time
+    # for startup + first answer, and only loosely the wall time.
+    assert cpu < 2.0, (cpu, wall)
+    assert wall < 15.0, (cpu, wall)
+
+
+def test_firehose_never_blocks_the_engine(spawn) -> None:  # type: ignore[no-untyped-def]
+    import signal
+
+    fe = spawn(["--firehose", "64"], control=True)
+    fe.add(request(PROMPT, max_tokens=10**9))
+    # Nobody reads: the queues (engine HWM, receiver HWM, kernel buffers) fill up and
+    # the engine stops stepping, but keeps serving its control socket and signals.
+    steps = -1
+    deadline = time.monotonic() + 30
+    while True:
+        assert time.monotonic() < deadline, "the firehose never stopped"
+        ping = fe.control("ping")
+        assert ping["firehose"] == 1
+        if ping["steps"] == steps:
+            break
+        steps = ping["steps"]
+        time.sleep(0.5)
+    t0 = time.monotonic()
+    fe.signal(signal.SIGTERM)
+    assert fe.wait_exit(5) == 0
+    # ~0.5 s of bounded flush and linger for the undeliverable tail; slack for load.
+    assert time.monotonic() - t0 < 2.0

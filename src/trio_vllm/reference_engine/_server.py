@@ -55,9 +55,10 @@ __all__ = ["EngineServer", "FatalEngineError", "run_engine"]
 GARBAGE_FRAME = b"\xc1not-msgpack: injected garbage frame"
 _OUTPUT_LINGER_MS = 4000  # vLLM's linger for engine output PUSH sockets
 _HANDSHAKE_LINGER_MS = 5000
-_CLEAN_EXIT_LINGER_MS = 500  # a clean stop must finish within a second
+_CLEAN_EXIT_LINGER_MS = 300  # a clean stop must finish within a second
 _DP_SYNC_INTERVAL = 16
 _FIREHOSE_HWM = 64
+_FIREHOSE_BURST = 16
 
 
 class FatalEngineError(Exception):
@@ -111,7 +112,7 @@ class EngineServer:
         self.last_utility_argc = 0
         self.firehose: dict[str, EngineRequest] = {}
         self.firehose_cursor = 0
-        self.firehose_blocked: tuple[zmq.Socket[bytes], list[Any]] | None = None
+        self.blocked: deque[tuple[zmq.Socket[bytes], list[Any]]] = deque()
         self.engines_running = False
         self.start_wave_sent: int | None = None
         self.wave_steps = 0
@@ -379,13 +380,36 @@ class EngineServer:
         if self.output_delay_ms > 0 or self.delayed:
             self.delayed.append((time.monotonic() + self.output_delay_ms / 1000, sock, frames))
             return
-        sock.send_multipart(frames, copy=False)
+        self._send_now(sock, frames)
+
+    def _send_now(self, sock: zmq.Socket[bytes], frames: list[Any]) -> None:
+        # Output sockets have no HWM (as in vLLM) except in firehose mode; there a full
+        # socket parks the message (order kept) and the loop waits for POLLOUT, so the
+        # engine never blocks in send and signals are always served.
+        if not self.blocked:
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+        self.blocked.append((sock, frames))
+
+    def _flush_blocked(self) -> bool:
+        """Send parked messages while the sockets take them; True when none are left."""
+        while self.blocked:
+            sock, frames = self.blocked[0]
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
+            self.blocked.popleft()
+        return True
 
     def _flush_delayed(self) -> None:
         now = time.monotonic()
         while self.delayed and self.delayed[0][0] <= now:
             _, sock, frames = self.delayed.popleft()
-            sock.send_multipart(frames, copy=False)
+            self._send_now(sock, frames)
 
     def send(self, client_index: int, outputs: Any) -> None:
         """Send one EngineCoreOutputs to ``outputs[client_index]`` (-1: the coordinator)."""
@@ -456,15 +480,18 @@ class EngineServer:
         self.input_dead = True
         _log(f"input thread died: {why}")
 
-    def _drain_inputs(self) -> None:
+    def _drain_inputs(self, events: dict[Any, int]) -> None:
+        """Handle what is queued on the readable input sockets (at most 1024 each)."""
         for sock in self.inputs:
+            if not events.get(sock, 0) & zmq.POLLIN:
+                continue
             for _ in range(1024):
                 if self.input_dead or self.stalled:
                     return
-                try:
-                    frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
+                # EVENTS is cheaper than a failing non-blocking recv (no exception).
+                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     break
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
                 self._handle_input([f.buffer for f in frames])
 
     def _handle_input(self, frames: list[memoryview]) -> None:
@@ -856,23 +883,25 @@ class EngineServer:
             self.stalled = True
             opts.stall_after_steps = None
 
+    def _stalled_now(self) -> bool:
+        # A method, so type narrowing of ``self.stalled`` earlier in the loop does not
+        # hide that a fault may have set it since.
+        return self.stalled
+
     def run_dummy_batch(self) -> None:
         if self.utilities.is_sleeping() and "weights" in self.utilities._sleeping_tags:
             return
         self.model.next_token_logits([Sequence([0], 1)])
 
     def _firehose_step(self) -> bool:
-        """Send one firehose message; False when the socket is full (retry when writable)."""
-        if self.firehose_blocked is not None:
-            sock, frames = self.firehose_blocked
-            try:
-                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return False
-            self.firehose_blocked = None
-            return True
+        """Send one firehose message per client; False while an output socket is full
+        (the rest goes out when it is writable again)."""
+        if not self._flush_blocked():
+            return False
         live = list(self.firehose.values())
-        per_client: dict[int, ClientBatch] = {}
+        per_client: dict[int, list[Any]] = {}
+        finished: dict[int, set[str]] = {}
+        wire = self.wire
         for _ in range(self.options.firehose):
             if not live:
                 break
@@ -886,33 +915,36 @@ class EngineServer:
                                   finish_reason=int(FinishReason.LENGTH) if done else None)
             if req.events:
                 record.events, req.events = req.events, []
-            per_client.setdefault(req.client_index, ClientBatch()).outputs.append(record)
+                out = wire.output(record)
+            else:
+                out = wire.token_output(req.request_id, token, record.finish_reason)
+            per_client.setdefault(req.client_index, []).append(out)
             if done:
                 del self.firehose[req.request_id]
                 live.remove(req)
+                if self.scheduler.config.include_finished_set:
+                    finished.setdefault(req.client_index, set()).add(req.request_id)
         self.steps += 1
         self.scheduler.step_counter += 1
-        stats = None if self.options.disable_log_stats else self.scheduler.make_stats()
-        first = True
-        for client_index, batch in per_client.items():
-            extra: dict[str, Any] = {"weight_version": self.utilities.weight_version}
-            if first and stats is not None:
-                extra["scheduler_stats"] = self.wire.stats(stats)
-            first = False
+        stats = None
+        if not self.options.disable_log_stats:
+            values = self.scheduler.make_stats()
+            values["num_running_reqs"] += len(self.firehose)
+            stats = wire.stats(values)
+        for client_index, outs in per_client.items():
+            message = wire.outputs(
+                engine_index=self.rank,
+                outputs=outs,
+                scheduler_stats=stats,
+                finished_requests=finished.get(client_index),
+                weight_version=self.utilities.weight_version,
+            )
+            stats = None
             if self.output_dead or not 0 <= client_index < len(self.outputs):
-                self.send(client_index, self._client_outputs(client_index, batch, **extra))
+                self.send(client_index, message)
                 continue
-            frames = self.wire.encode_outputs(self._client_outputs(client_index, batch, **extra))
-            sock = self.outputs[client_index]
-            if self.output_delay_ms > 0 or self.delayed:
-                self._send_frames(sock, frames)
-                continue
-            try:
-                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                self.firehose_blocked = (sock, frames)
-                return False
-        return True
+            self._send_frames(self.outputs[client_index], wire.encode_outputs(message))
+        return not self.blocked
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -934,7 +966,7 @@ class EngineServer:
                 return
             busy = not self.stalled and (
                 self.scheduler.has_schedulable()
-                or (bool(self.firehose) and self.firehose_blocked is None)
+                or (bool(self.firehose) and not self.blocked)
                 or (self.options.moe and self.engines_running)
             )
             if busy:
@@ -943,13 +975,14 @@ class EngineServer:
                 timeout = int(max(0.0, self.delayed[0][0] - time.monotonic()) * 1000) + 1
             else:
                 timeout = None
-            if firehose_wait is None and self.firehose_blocked is not None and not self.stalled:
-                firehose_wait = self.firehose_blocked[0]
-                poller.register(firehose_wait, zmq.POLLOUT)
+            want = self.blocked[0][0] if self.blocked and not self.stalled else None
+            if want is not firehose_wait:
+                if firehose_wait is not None:
+                    poller.unregister(firehose_wait)
+                if want is not None:
+                    poller.register(want, zmq.POLLOUT)
+                firehose_wait = want
             events = dict(poller.poll(timeout))
-            if firehose_wait is not None and events.get(firehose_wait, 0) & zmq.POLLOUT:
-                poller.unregister(firehose_wait)
-                firehose_wait = None
             if self._wake_r.fileno() in events or self._wake_r in events:
                 self._drain_wake()
             if self.control is not None and self.control in events:
@@ -959,9 +992,10 @@ class EngineServer:
                     raise _Stop(0)
                 continue
             if not self.input_dead:
-                self._drain_inputs()
+                self._drain_inputs(events)
             if self.coord_in is not None and self.coord_in in events:
                 self._drain_coordinator()
+            self._flush_blocked()
             self._flush_delayed()
             self._complete_deferred()
             if self.options.moe and not self.engines_running and (
@@ -977,8 +1011,13 @@ class EngineServer:
                 self.steps += 1
                 self._send_step(result)
                 stepped = True
-            elif self.firehose:
-                stepped = self._firehose_step()
+            elif self.firehose and not self.blocked:
+                # Several messages per poll: a poll is a syscall, dearer than a message.
+                for _ in range(_FIREHOSE_BURST):
+                    self._firehose_step()
+                    self._after_step_faults()
+                    if self.blocked or not self.firehose or self._stalled_now():
+                        break
             elif self.options.moe and self.engines_running:
                 self.run_dummy_batch()
             if self.options.moe and self.engines_running:
@@ -989,11 +1028,15 @@ class EngineServer:
                 self._after_step_faults()
 
     def _flush_delayed_blocking(self) -> None:
+        """Last sends before a clean exit: delayed outputs, then parked ones (bounded)."""
         while self.delayed:
             wait = self.delayed[0][0] - time.monotonic()
             if wait > 0:
                 time.sleep(min(wait, 0.5))
             self._flush_delayed()
+        deadline = time.monotonic() + 0.1
+        while not self._flush_blocked() and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def _drain_coordinator(self) -> None:
         assert self.coord_in is not None

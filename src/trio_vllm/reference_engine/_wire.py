@@ -171,6 +171,12 @@ class Wire:
             error=error,
         )
 
+    def token_output(self, request_id: str, token: int, finish_reason: int | None) -> Any:
+        """The common case of a one-token output without extras (firehose fast path)."""
+        if finish_reason is None:
+            return EngineCoreOutput(request_id, [token])
+        return EngineCoreOutput(request_id, [token], finish_reason=FinishReason(finish_reason))
+
     def stats(self, values: dict[str, Any]) -> SchedulerStats:
         values = dict(values)
         prefix = values.pop("prefix_cache_stats", None)
