@@ -216,22 +216,32 @@ class _Stepper:
 
 def _await_stack(obj: Any) -> tuple[str, ...]:
     frames: list[str] = []
+    frame: types.FrameType | None = None
     for _ in range(200):
         if obj is None:
             break
-        frame = (
+        inner = (
             getattr(obj, "cr_frame", None)
             or getattr(obj, "gi_frame", None)
             or getattr(obj, "ag_frame", None)
         )
-        if isinstance(frame, types.FrameType):
+        if isinstance(inner, types.FrameType):
+            frame = inner
             code = frame.f_code
             frames.append(f"{code.co_filename}:{frame.f_lineno} in {code.co_name}")
-        obj = (
+        following = (
             getattr(obj, "cr_await", None)
             or getattr(obj, "gi_yieldfrom", None)
             or getattr(obj, "ag_await", None)
         )
+        if following is None and frame is not None and not hasattr(obj, "cr_await"):
+            # An async generator's asend/athrow awaitable hides its generator; the
+            # common case is an @asynccontextmanager, whose frame holds it as self.gen.
+            owner = frame.f_locals.get("self")
+            gen = getattr(owner, "gen", None)
+            if gen is not None and hasattr(gen, "ag_frame") and gen is not obj:
+                following = gen
+        obj = following
     return tuple(frames)
 
 
