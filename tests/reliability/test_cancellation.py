@@ -1,0 +1,347 @@
+"""Cancellation at every checkpoint of every public async operation.
+
+Each scenario runs under the testing kit's :func:`~trio_vllm.testing.check_cancellation`:
+once uncancelled (counting its checkpoints), then once cancelled at each checkpoint
+``k`` for every ``k`` it saw. After every run the kit checks that no task the run
+started still runs, no utility call is pending, no stream or raw request the run made is
+still live on the client, the engines (asked through their control sockets) hold no
+request the client does not know of, and the client is still alive; the scenario's own
+checks are added per test.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import pytest
+
+from trio_vllm import EngineCoreOutputs, LoRARequest, ReferenceEngines, make_request, open_client
+from trio_vllm.testing import CheckpointRun, check_cancellation
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from trio_vllm import EngineCoreClient
+    from trio_vllm.testing import ReferenceEngineSet
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+# Long enough that a request is still running when a cancellation lands, and still
+# running on the engine when the kit asks (the echo model takes about 10 us a step).
+LONG = 900_000
+ENGINES: dict[str, Any] = {"model": "echo", "extra_args": ("--max-model-len", "1000000")}
+
+
+def _child_pids() -> set[int]:
+    pids: set[int] = set()
+    me = os.getpid()
+    for task in os.listdir(f"/proc/{me}/task"):
+        try:
+            text = Path(f"/proc/{me}/task/{task}/children").read_text()
+        except OSError:
+            continue
+        pids.update(int(p) for p in text.split())
+    return pids
+
+
+def _check_every_run(report: Any, *, min_checkpoints: int = 1) -> None:
+    report.assert_ok()
+    assert report.checkpoints >= min_checkpoints, report
+    # Every checkpoint the first run saw got its own cancelled run.
+    assert [r.checkpoint for r in report.runs] == [None, *range(1, report.checkpoints + 1)]
+    assert any(r.outcome == "cancelled" for r in report.runs[1:]), report
+
+
+# ---------------------------------------------------------------------- open_client
+
+
+# trio only for now: on asyncio a cancellation inside anyio.open_process (asyncio's
+# subprocess transport, after the fork) leaves the engine process running, unowned, after
+# open_client has exited (client/_process.py spawn_engine_process; reported, see
+# docs/reliability.md "Known problems"). Re-enable asyncio once it is shielded there.
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_open_client_cancelled_at_every_checkpoint() -> None:
+    """Cancelling ``open_client`` anywhere (startup, body, exit) leaves no task, no engine
+    process (reaped, no zombie) and no ipc file; the client it yielded, if any, is
+    closed (dead)."""
+    clients: list[EngineCoreClient] = []
+    children_before = _child_pids()
+
+    async def scenario() -> None:
+        async with open_client(
+            ReferenceEngines(model="echo"), ready_timeout=30, shutdown_grace=2
+        ) as client:
+            clients.append(client)
+            assert await client.get_supported_tasks()
+
+    def nothing_left(run: CheckpointRun) -> None:
+        left = _child_pids() - children_before
+        assert not left, f"engine process(es) {left} left behind"
+        if clients:
+            client = clients.pop()
+            assert client.dead, "the client is still alive after open_client exited"
+            for address in client.addresses.values():
+                path = address.removeprefix("ipc://")
+                assert not Path(path).exists(), f"ipc socket file {path} left behind"
+
+    report = await check_cancellation(scenario, checks=[nothing_left], settle=2.0)
+    print(f"open_client: {report.checkpoints} checkpoints")
+    _check_every_run(report, min_checkpoints=3)
+
+
+# ---------------------------------------------------------------------- requests
+
+
+@pytest.mark.reference_engines(**ENGINES)
+async def test_generate_and_iteration(reference_engines: ReferenceEngineSet) -> None:
+    client = reference_engines.client
+    tokens: list[list[int]] = []
+
+    async def scenario() -> None:
+        got: list[int] = []
+        async with client.generate(make_request([3, 4, 5], max_tokens=6)) as stream:
+            async for out in stream:
+                got.extend(out.new_token_ids)
+        tokens.append(got)
+
+    def complete_when_returned(run: CheckpointRun) -> None:
+        if run.outcome == "returned":
+            assert tokens.pop() == [3, 4, 5, 3, 4, 5]
+
+    report = await check_cancellation(
+        scenario, engines=reference_engines, checks=[complete_when_returned]
+    )
+    print(f"generate: {report.checkpoints} checkpoints")
+    _check_every_run(report, min_checkpoints=4)
+
+
+@pytest.mark.reference_engines(**ENGINES)
+async def test_generate_long_request_is_aborted_on_the_engine(
+    reference_engines: ReferenceEngineSet,
+) -> None:
+    """A request that is still running when its consumer is cancelled is aborted on
+    the engine (the kit asks the engine what it holds after every run)."""
+    client = reference_engines.client
+
+    async def scenario() -> None:
+        async with client.generate(make_request([7], max_tokens=LONG)) as stream:
+            for _ in range(5):
+                await stream.receive()
+
+    report = await check_cancellation(scenario, engines=reference_engines)
+    _check_every_run(report, min_checkpoints=4)
+
+
+@pytest.mark.reference_engines(**ENGINES)
+async def test_add_request_and_get_output(reference_engines: ReferenceEngineSet) -> None:
+    """The raw API used the way vLLM's frontends do: add, consume batches, abort on the
+    way out (shielded). Cancelled anywhere, nothing is left on client or engine and no
+    batch is lost for the requests that stay."""
+    client = reference_engines.client
+
+    async def scenario() -> None:
+        request = make_request([1, 2], max_tokens=5)
+        rid = request.request_id
+        try:
+            await client.add_request(request)
+            tokens: list[int] = []
+            finished = False
+            while not finished:
+                batch: EngineCoreOutputs = await client.get_output()
+                for out in batch.outputs:
+                    if out.request_id == rid:
+                        tokens.extend(out.new_token_ids)
+                        finished = out.finish_reason is not None
+            assert tokens == [1, 2, 1, 2, 1]
+        finally:
+            if rid in client.live_requests:
+                with anyio.CancelScope(shield=True):
+                    await client.abort_requests([rid])
+
+    report = await check_cancellation(scenario, engines=reference_engines)
+    _check_every_run(report, min_checkpoints=3)
+    _drain(client)
+
+
+def _drain(client: EngineCoreClient) -> None:
+    """Drop batches left queued for aborted raw requests (stats, late outputs)."""
+    while True:
+        try:
+            client.get_output_nowait()
+        except anyio.WouldBlock:
+            return
+
+
+@pytest.mark.reference_engines(**ENGINES)
+async def test_get_output_cancelled_consumes_nothing(
+    reference_engines: ReferenceEngineSet,
+) -> None:
+    """A batch queued before a cancelled ``get_output`` is still there afterwards."""
+    client = reference_engines.client
+    request = make_request([9], max_tokens=1)
+    await client.add_request(request)
+    with anyio.fail_after(5):
+        while True:
+            batch = await client.get_output()
+            if any(o.request_id == request.request_id for o in batch.outputs):
+                break
+    marker = make_request([8], max_tokens=1)
+    await client.add_request(marker)
+    await anyio.sleep(0.2)  # the marker's batch is queued now
+
+    async def scenario() -> None:
+        got = await client.get_output()
+        # Put it back for the next run by re-adding: the batch must be the marker's.
+        assert any(o.request_id == marker.request_id for o in got.outputs), got
+        client._raw_outputs.appendleft(got)
+
+    report = await check_cancellation(scenario, engines=reference_engines)
+    _check_every_run(report)
+
+
+# ---------------------------------------------------------------------- utilities
+
+
+@pytest.mark.reference_engines(**ENGINES)
+async def test_call_utility(reference_engines: ReferenceEngineSet) -> None:
+    client = reference_engines.client
+
+    async def scenario() -> None:
+        assert "generate" in await client.call_utility("get_supported_tasks")
+
+    report = await check_cancellation(scenario, engines=reference_engines)
+    _check_every_run(report, min_checkpoints=2)
+    # Late replies of cancelled calls were dropped; the client still matches replies.
+    assert await client.call_utility("collective_rpc", "echo", None, ["after"], None) == [["after"]]
+
+
+@pytest.mark.reference_engines(**ENGINES)
+async def test_slow_utility_cancelled_while_waiting(
+    reference_engines: ReferenceEngineSet,
+) -> None:
+    """Cancelled while the reply is held back 50 ms: the entry goes at once, and the
+    late reply is dropped quietly."""
+    client = reference_engines.client
+    await reference_engines.control().delay_outputs(50)
+
+    async def scenario() -> None:
+        assert "generate" in await client.call_utility("get_supported_tasks")
+
+    report = await check_cancellation(scenario, engines=reference_engines)
+    _check_every_run(report, min_checkpoints=2)
+    await reference_engines.control().delay_outputs(0)
+    await anyio.sleep(0.1)
+    assert client.pending_utility_calls == 0
+    assert await client.call_utility("collective_rpc", "echo", None, ["after"], None) == [["after"]]
+
+
+LORA = LoRARequest("adapter", 1, "/nonexistent/adapter")
+
+# (name, call, cleanup after the whole check) for every named utility.
+NAMED: list[tuple[str, Callable[[EngineCoreClient], Awaitable[Any]]]] = [
+    ("get_supported_tasks", lambda c: c.get_supported_tasks()),
+    ("is_sleeping", lambda c: c.is_sleeping()),
+    ("sleep", lambda c: c.sleep(1)),
+    ("wake_up", lambda c: c.wake_up()),
+    ("reset_prefix_cache", lambda c: c.reset_prefix_cache()),
+    ("reset_mm_cache", lambda c: c.reset_mm_cache()),
+    ("reset_encoder_cache", lambda c: c.reset_encoder_cache()),
+    ("add_lora", lambda c: c.add_lora(LORA)),
+    ("list_loras", lambda c: c.list_loras()),
+    ("pin_lora", lambda c: c.pin_lora(1)),
+    ("remove_lora", lambda c: c.remove_lora(1)),
+    ("pause_scheduler", lambda c: c.pause_scheduler()),
+    ("is_scheduler_paused", lambda c: c.is_scheduler_paused()),
+    ("resume_scheduler", lambda c: c.resume_scheduler()),
+    ("collective_rpc", lambda c: c.collective_rpc("echo")),
+    ("execute_dummy_batch", lambda c: c.execute_dummy_batch()),
+    ("get_weight_version", lambda c: c.get_weight_version()),
+    ("set_weight_version", lambda c: c.set_weight_version("v2")),
+    ("compute_weight_checksums", lambda c: c.compute_weight_checksums()),
+    ("save_sharded_state", lambda c: c.save_sharded_state("/tmp/unused")),
+    ("profile", lambda c: c.profile(True)),
+]
+
+
+@pytest.mark.parametrize("count", [1, 2], ids=["1-engine", "dp2"])
+async def test_every_named_utility(count: int) -> None:
+    """Every named utility, on one engine and on two (data-parallel fan-out)."""
+    from trio_vllm import UtilityCallError
+    from trio_vllm.testing import open_reference_engines
+
+    async with open_reference_engines(
+        count=count, model="echo", extra_args=("--max-loras", "2")
+    ) as engines:
+        client = engines.client
+        problems: list[str] = []
+        refused: set[str] = set()
+        for name, call in NAMED:
+
+            async def scenario(call: Any = call, name: str = name) -> None:
+                try:
+                    await call(client)
+                except UtilityCallError:
+                    refused.add(name)  # the engine refused it: still a complete call
+
+            report = await check_cancellation(scenario, engines=engines, settle=1.0)
+            if not report.ok or report.checkpoints < 1:
+                problems.append(f"{name}:\n{report}")
+            # Restore the engines' state for the next utility.
+            await client.wake_up()
+            await client.resume_scheduler()
+        assert not problems, "\n".join(problems)
+        # The reference engine implements every one of them: each call really ran.
+        assert refused == set(), refused
+        assert client.pending_utility_calls == 0
+        assert await client.get_supported_tasks()
+
+
+# ---------------------------------------------------------------------- data parallel
+
+
+@pytest.mark.reference_engines(**ENGINES, count=2)
+async def test_dp_generate_on_each_rank(reference_engines: ReferenceEngineSet) -> None:
+    client = reference_engines.client
+
+    async def scenario() -> None:
+        async with anyio.create_task_group() as tg:
+            for rank in (0, 1):
+
+                async def one(rank: int = rank) -> None:
+                    request = make_request([rank + 1], max_tokens=LONG)
+                    async with client.generate(request, rank=rank) as stream:
+                        for _ in range(3):
+                            await stream.receive()
+
+                tg.start_soon(one)
+
+    report = await check_cancellation(scenario, engines=reference_engines)
+    _check_every_run(report)
+
+
+@pytest.mark.reference_engines(**ENGINES, count=2)
+async def test_dp_call_utility_all_and_routing(reference_engines: ReferenceEngineSet) -> None:
+    client = reference_engines.client
+
+    async def scenario() -> None:
+        assert await client.collective_rpc("echo", args=["x"]) == [["x"], ["x"]]
+        request = make_request([2], max_tokens=3)
+        async with client.generate(request) as stream:
+            assert await stream.collect() == [2, 2, 2]
+
+    report = await check_cancellation(scenario, engines=reference_engines)
+    _check_every_run(report, min_checkpoints=3)
+    # The load counts used for routing came back to zero: requests alternate ranks.
+    ranks = []
+    for _ in range(4):
+        async with client.generate(make_request([1], max_tokens=LONG)) as stream:
+            ranks.append(stream.rank)
+    assert ranks == [0, 0, 0, 0]  # nothing in flight: always the least busy, rank 0
+    async with (
+        client.generate(make_request([1], max_tokens=LONG)) as first,
+        client.generate(make_request([1], max_tokens=LONG)) as second,
+    ):
+        assert {first.rank, second.rank} == {0, 1}
