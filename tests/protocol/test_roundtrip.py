@@ -154,3 +154,41 @@ def test_utility_arity_per_release() -> None:
         ClientCodec(V0_25_1).encode_utility(0, 1, "profile", args, check_arity=True)
     ClientCodec(V0_25_1).encode_utility(0, 1, "profile", args)  # unchecked by default
     ClientCodec(V0_25_1).encode_utility(0, 1, "my_custom_method", [1, 2, 3], check_arity=True)
+
+
+junk = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=3),
+    st.lists(st.integers(-5, 5), max_size=3), st.dictionaries(st.text(max_size=2),
+                                                              st.integers(), max_size=2),
+)
+
+
+@st.composite
+def junk_requests(draw: st.DrawFn) -> EngineCoreRequest:
+    fields: dict[str, Any] = {}
+    for name in ("prompt_token_ids", "cache_salt", "priority", "client_index", "current_wave",
+                 "data_parallel_rank", "arrival_time", "trace_headers", "resumable"):
+        if draw(st.booleans()):
+            fields[name] = draw(junk)
+    sp: dict[str, Any] = {}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "n", "stop", "logprobs",
+                 "seed", "min_tokens", "logit_bias", "stop_token_ids"):
+        if draw(st.booleans()):
+            sp[name] = draw(junk)
+    try:
+        params = SamplingParams(**sp)
+    except Exception:  # normalization itself may reject junk; that is fine
+        params = SamplingParams()
+    fields.setdefault("prompt_token_ids", [1, 2])
+    return EngineCoreRequest(draw(st.text(max_size=4)), sampling_params=params, **fields)
+
+
+@ROUNDTRIP
+@given(request=junk_requests())
+def test_whatever_encodes_is_accepted_by_a_strict_decoder(request: EngineCoreRequest) -> None:
+    try:
+        frames = ClientCodec().encode_add(request)
+    except ValueError:
+        return  # refused before any byte: the promise
+    back = EngineCodec().decode_input(frames)  # typed like the stock engine's decoder
+    assert isinstance(back, EngineCoreRequest)
