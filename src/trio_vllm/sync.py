@@ -23,6 +23,7 @@ one thread at a time.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import threading
@@ -51,6 +52,11 @@ async def _next_or_end(stream: RequestStream) -> Any:
         return await stream.__anext__()
     except StopAsyncIteration:
         return _END
+
+
+def _stop_portal(portal: anyio.from_thread.BlockingPortal) -> None:
+    with contextlib.suppress(RuntimeError):  # already stopped
+        portal.call(portal.stop, True)
 
 
 @final
@@ -210,6 +216,10 @@ class SyncClient:
                 anyio.from_thread.start_blocking_portal(self._backend, name="trio-vllm-sync")
             )
             self._loop_thread_id = portal.call(threading.get_ident)
+            # Runs after open_client exited (or failed to start), before the portal's own
+            # exit: cancels whatever portal task is left, e.g. a startup or a generate()
+            # whose caller was interrupted, so that joining the thread cannot hang.
+            stack.callback(_stop_portal, portal)
             client = stack.enter_context(
                 portal.wrap_async_context_manager(open_client(self._engines, **self._options))
             )
@@ -232,6 +242,8 @@ class SyncClient:
     def close(self) -> None:
         """Close open streams (aborting their requests), exit ``open_client`` (engines
         stopped), and join the background thread. Idempotent; blocks until done."""
+        if threading.get_ident() == self._loop_thread_id:
+            raise RuntimeError("a SyncClient cannot be closed from its own event loop")
         with self._close_lock:
             stack, self._exit_stack = self._exit_stack, None
             if stack is None:
@@ -274,6 +286,11 @@ class SyncClient:
             raise self._closed_error() from None
         try:
             return future.result()
+        except concurrent.futures.CancelledError:
+            # Cancelled by close() stopping the portal: report it as the client does.
+            if self._client is not None and self._client.dead:
+                raise self._closed_error() from None
+            raise
         except BaseException:
             # e.g. KeyboardInterrupt while waiting: cancel the call in the loop, so it
             # completes or is cancelled with nothing changed (no-op if it finished).

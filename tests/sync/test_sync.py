@@ -6,6 +6,7 @@ background thread and the engine processes are gone after the ``with`` block.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -20,6 +21,7 @@ from trio_vllm.sync import SyncClient
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+from pathlib import Path
 
 # A context so long that an un-aborted request keeps the engine busy for minutes.
 LONG = ["--max-model-len", "1000000", "--num-gpu-blocks", "1000000"]
@@ -62,6 +64,15 @@ def process_gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            text = Path(f"/proc/{pid}/task/{task}/children").read_text()
+            found.extend(int(p) for p in text.split())
+    return found
 
 
 def engine_is_idle(client: SyncClient) -> bool:
@@ -249,28 +260,52 @@ class Interrupted(Exception):
     pass
 
 
-def test_interrupt_while_blocked_cancels_only_that_call(backend: str) -> None:
-    """A signal handler raising in the caller (like Ctrl-C) cancels the waiting call."""
+@contextlib.contextmanager
+def interrupt_after(delay: float) -> Iterator[None]:
+    """Raise :class:`Interrupted` in the main thread after ``delay`` s, like Ctrl-C would.
 
-    def on_alarm(signum: int, frame: object) -> None:
+    Uses SIGUSR1 sent by a timer thread (SIGALRM belongs to pytest-timeout).
+    """
+
+    def handler(signum: int, frame: object) -> None:
         raise Interrupted
 
-    previous = signal.signal(signal.SIGALRM, on_alarm)
+    previous = signal.signal(signal.SIGUSR1, handler)
+    timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGUSR1))
+    timer.start()
     try:
-        with SyncClient(ReferenceEngines(model="echo"), backend=backend, ready_timeout=30) as c:
-            signal.setitimer(signal.ITIMER_REAL, 0.3)
-            started = time.monotonic()
-            with pytest.raises(Interrupted):
-                c.get_output()
-            assert time.monotonic() - started < 5
-            # The cancelled call consumed nothing: the next output reaches the next call.
-            request = make_request([8], max_tokens=1)
-            c.add_request(request)
-            outputs = []
-            while not outputs:
-                outputs = c.get_output(timeout=10).outputs
-            assert outputs[0].request_id == request.request_id
-            assert outputs[0].new_token_ids == [8]
+        yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        timer.cancel()
+        timer.join()
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_interrupt_while_blocked_cancels_only_that_call(backend: str) -> None:
+    """A signal handler raising in the caller (like Ctrl-C) cancels the waiting call."""
+    with SyncClient(ReferenceEngines(model="echo"), backend=backend, ready_timeout=30) as c:
+        started = time.monotonic()
+        with interrupt_after(0.3), pytest.raises(Interrupted):
+            c.get_output()
+        assert time.monotonic() - started < 5
+        # The cancelled call consumed nothing: the next output reaches the next call.
+        request = make_request([8], max_tokens=1)
+        c.add_request(request)
+        outputs = []
+        while not outputs:
+            outputs = c.get_output(timeout=10).outputs
+        assert outputs[0].request_id == request.request_id
+        assert outputs[0].new_token_ids == [8]
+
+
+def test_interrupted_startup_stops_the_engine_and_the_thread(backend: str) -> None:
+    """Ctrl-C (here: a signal handler raising) while waiting for slow engines."""
+    engines = ReferenceEngines(model="echo", faults=["--startup-delay", "60"])
+    children = set(_children(os.getpid()))
+    client = SyncClient(engines, backend=backend, ready_timeout=120)
+    started = time.monotonic()
+    with interrupt_after(1.0), pytest.raises(Interrupted):
+        client.__enter__()
+    assert time.monotonic() - started < 15
+    assert not any(t.name == "trio-vllm-sync" for t in threading.enumerate())
+    assert set(_children(os.getpid())) <= children, "the engine process outlived startup"
