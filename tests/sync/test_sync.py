@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 from pathlib import Path
 
+# Generous: the machine is shared, and a loaded one starts engines slowly.
+READY = 120
 # A context so long that an un-aborted request keeps the engine busy for minutes.
 LONG = ["--max-model-len", "1000000", "--num-gpu-blocks", "1000000"]
 
@@ -92,7 +94,7 @@ def engine_is_idle(client: SyncClient) -> bool:
 
 
 def test_generate_raw_api_and_utilities(backend: str) -> None:
-    with SyncClient(ReferenceEngines(model="echo"), backend=backend, ready_timeout=30) as client:
+    with SyncClient(ReferenceEngines(model="echo"), backend=backend, ready_timeout=READY) as client:
         pids = list(client.engine_pids.values())
         assert client.ranks == [0]
         assert client.vllm_version == "0.32.0"
@@ -142,7 +144,7 @@ def test_generate_raw_api_and_utilities(backend: str) -> None:
 @pytest.mark.parametrize("how", ["break", "close", "exception"])
 def test_leaving_generate_early_aborts_on_the_engine(backend: str, how: str) -> None:
     engines = ReferenceEngines(model="echo", extra_args=LONG)
-    with SyncClient(engines, backend=backend, ready_timeout=30) as client:
+    with SyncClient(engines, backend=backend, ready_timeout=READY) as client:
         request = make_request([1, 2, 3], max_tokens=900_000)
         if how == "break":
             for _ in client.generate(request):
@@ -172,7 +174,7 @@ def test_leaving_generate_early_aborts_on_the_engine(backend: str, how: str) -> 
 def test_unaborted_request_keeps_engine_busy(backend: str) -> None:
     """Control for the test above: the idle probe does detect a running request."""
     engines = ReferenceEngines(model="echo", extra_args=LONG)
-    with SyncClient(engines, backend=backend, ready_timeout=30) as client:
+    with SyncClient(engines, backend=backend, ready_timeout=READY) as client:
         stream = client.generate(make_request([1, 2, 3], max_tokens=900_000))
         next(stream)
         assert not engine_is_idle(client)
@@ -184,7 +186,7 @@ def test_unaborted_request_keeps_engine_busy(backend: str) -> None:
 
 def test_engine_death_raises_in_blocked_callers(backend: str) -> None:
     engines = ReferenceEngines(model="echo", extra_args=LONG)
-    with SyncClient(engines, backend=backend, ready_timeout=30) as client:
+    with SyncClient(engines, backend=backend, ready_timeout=READY) as client:
         (pid,) = client.engine_pids.values()
         stream = client.generate(make_request([1, 2], max_tokens=900_000))
         next(stream)
@@ -218,7 +220,7 @@ def test_engine_death_raises_in_blocked_callers(backend: str) -> None:
 
 def test_startup_failure_raises_and_leaves_no_thread(backend: str) -> None:
     engines = ReferenceEngines(model="echo", faults=["--crash-on-startup", "no model here"])
-    client = SyncClient(engines, backend=backend, ready_timeout=30)
+    client = SyncClient(engines, backend=backend, ready_timeout=READY)
     with pytest.raises(EngineStartupError, match="no model here"):
         client.__enter__()
     with pytest.raises(RuntimeError, match="not open"):
@@ -226,7 +228,7 @@ def test_startup_failure_raises_and_leaves_no_thread(backend: str) -> None:
 
 
 def test_methods_from_several_threads(backend: str) -> None:
-    with SyncClient(ReferenceEngines(model="echo"), backend=backend, ready_timeout=30) as client:
+    with SyncClient(ReferenceEngines(model="echo"), backend=backend, ready_timeout=READY) as client:
         results: dict[int, list[int]] = {}
 
         def worker(i: int) -> None:
@@ -243,7 +245,7 @@ def test_methods_from_several_threads(backend: str) -> None:
 def test_no_thread_at_all_after_idle_timeout() -> None:
     """Strict version of the check: wait out trio's thread cache, then nothing is left."""
     before = {t.ident for t in threading.enumerate()}
-    with SyncClient(ReferenceEngines(model="echo"), ready_timeout=30) as client:
+    with SyncClient(ReferenceEngines(model="echo"), ready_timeout=READY) as client:
         assert any(t.name == "trio-vllm-sync" for t in threading.enumerate())
         assert client.generate(make_request([9], max_tokens=3)).collect() == [9, 9, 9]
     assert not any(t.name == "trio-vllm-sync" for t in threading.enumerate())
@@ -283,7 +285,7 @@ def interrupt_after(delay: float) -> Iterator[None]:
 
 def test_interrupt_while_blocked_cancels_only_that_call(backend: str) -> None:
     """A signal handler raising in the caller (like Ctrl-C) cancels the waiting call."""
-    with SyncClient(ReferenceEngines(model="echo"), backend=backend, ready_timeout=30) as c:
+    with SyncClient(ReferenceEngines(model="echo"), backend=backend, ready_timeout=READY) as c:
         started = time.monotonic()
         with interrupt_after(0.3), pytest.raises(Interrupted):
             c.get_output()
