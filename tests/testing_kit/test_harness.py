@@ -202,3 +202,21 @@ def test_plugin_in_a_fresh_project(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "3 passed" in result.stdout
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_stops_when_a_run_kills_the_client(reference_engines: ReferenceEngineSet) -> None:
+    client = reference_engines.client
+
+    async def kills_the_engine() -> None:
+        await reference_engines.control().kill()
+        await client.wait_dead()
+
+    with anyio.fail_after(20):
+        report = await check_cancellation(kills_the_engine, engines=reference_engines)
+    assert report.broken_at("client-dead") == [None]
+    assert len(report.runs) == 1
+    assert report.stopped == "the client died during the uncancelled run"
+    assert not report.ok
+    with pytest.raises(RuntimeError, match="needs a live client"):
+        await check_cancellation(kills_the_engine, engines=reference_engines)

@@ -510,7 +510,9 @@ async def check_cancellation(
     targets = range(1, first.checkpoints_seen + 1) if checkpoints is None else checkpoints
     for k in sorted(set(targets)):
         if client is not None and client.dead:
-            report.stopped = f"the client died during run {report.runs[-1].checkpoint}"
+            last = report.runs[-1].checkpoint
+            which = "the uncancelled run" if last is None else f"the run cancelled at {last}"
+            report.stopped = f"the client died during {which}"
             break
         report.runs.append(await harness.run(k))
     return report
