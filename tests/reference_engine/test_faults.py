@@ -70,7 +70,7 @@ def test_stall_after_steps(spawn) -> None:  # type: ignore[no-untyped-def]
     # SIGTERM works while stalled.
     fe.control("stall")
     fe.signal(signal.SIGTERM)
-    assert fe.wait_exit(5) == 0
+    assert fe.wait_exit(10) == 0
 
 
 def test_startup_delay_and_crash(spawn) -> None:  # type: ignore[no-untyped-def]
@@ -266,3 +266,12 @@ def test_sigterm_drain_mode(spawn) -> None:  # type: ignore[no-untyped-def]
     # ... and once nothing is left the process exits 0.
     fe.abort([running.request_id])
     assert fe.wait_exit(5) == 0
+
+
+def test_internal_request_types(spawn) -> None:  # type: ignore[no-untyped-def]
+    fe = spawn()
+    fe.send_raw([b"\x05", b"\x90"])  # WAKEUP: ignored
+    assert fe.call("is_sleeping") == (None, False)
+    fe.send_raw([b"\x04", b"\x90"])  # EXECUTOR_FAILED: fatal, like vLLM's busy loop
+    assert isinstance(fe.recv(), EngineCoreDead)
+    assert fe.wait_exit(10) == 1

@@ -241,3 +241,16 @@ def test_max_model_len(spawn) -> None:  # type: ignore[no-untyped-def]
     too_long = request(list(range(40, 56)), max_tokens=2)  # not shorter than the limit
     rid = fe.add(too_long, validate=False)
     assert fe.collect([rid])[rid].finish_reason == 3
+
+
+def test_preemption_keeps_outputs_exact(spawn) -> None:  # type: ignore[no-untyped-def]
+    fe = spawn(["--num-gpu-blocks", "6", "--block-size", "4"])
+    reqs = [request(list(bytes([65 + i])) * 8, max_tokens=12) for i in range(3)]
+    for r in reqs:
+        fe.add(r)
+    got = fe.collect([r.request_id for r in reqs])
+    events = []
+    for r in reqs:
+        assert got[r.request_id].tokens == echo_continuation(r.prompt_token_ids, 12)
+        events += [int(e.type) for o in got[r.request_id].outputs for e in (o.events or [])]
+    assert 3 in events  # PREEMPTED: blocks ran out and a request was recomputed

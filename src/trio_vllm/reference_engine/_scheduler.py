@@ -110,6 +110,7 @@ class EngineRequest:
     events: list[tuple[int, float]] = field(default_factory=list)
     prefill_stats: dict[str, int] | None = None
     first_output_sent: bool = False
+    is_running: bool = False
     num_blocks: int = 0
     stop_reason: int | None = None
     finished: FinishReason | None = None
@@ -178,6 +179,7 @@ class Scheduler:
         self.requests: dict[str, EngineRequest] = {}
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
+        self.used_blocks = 0
         self.pause_state = PauseState.UNPAUSED
         self.step_counter = 0
         self.current_wave = 0
@@ -206,8 +208,8 @@ class Scheduler:
         return self.pause_state is PauseState.UNPAUSED and bool(self.waiting)
 
     def kv_cache_usage(self) -> float:
-        used = sum(r.num_blocks for r in self.running)
-        return used / self.config.num_gpu_blocks if self.config.num_gpu_blocks else 0.0
+        blocks = self.config.num_gpu_blocks
+        return self.used_blocks / blocks if blocks else 0.0
 
     def lora_counts(self) -> tuple[dict[str, int], dict[str, int]]:
         waiting: dict[str, int] = {}
@@ -232,8 +234,10 @@ class Scheduler:
 
     def _free(self, req: EngineRequest) -> None:
         self.requests.pop(req.request_id, None)
-        if req in self.running:
+        if req.is_running:
             self.running.remove(req)
+            req.is_running = False
+            self.used_blocks -= req.num_blocks
         else:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
@@ -330,13 +334,15 @@ class Scheduler:
     # ---- scheduling --------------------------------------------------------------
 
     def _free_blocks(self) -> int:
-        return self.config.num_gpu_blocks - sum(r.num_blocks for r in self.running)
+        return self.config.num_gpu_blocks - self.used_blocks
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 
     def _preempt(self, victim: EngineRequest) -> None:
         self.running.remove(victim)
+        victim.is_running = False
+        self.used_blocks -= victim.num_blocks
         victim.num_blocks = 0
         victim.num_computed_tokens = 0
         if self.config.log_stats:
@@ -352,20 +358,23 @@ class Scheduler:
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req not in self.running:  # preempted below by an earlier request
+            if not req.is_running:  # preempted below by an earlier request
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
             need = self._blocks_for(req.num_computed_tokens + n) - req.num_blocks
+            preempted_itself = False
             while need > self._free_blocks():
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is req:
+                    preempted_itself = True
                     break
-            if req not in self.running:
+            if preempted_itself:
                 continue
             req.num_blocks += max(need, 0)
+            self.used_blocks += max(need, 0)
             scheduled.append((req, n))
             budget -= n
         while (
@@ -385,7 +394,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.num_blocks = need
+            self.used_blocks += need
             self.running.append(req)
+            req.is_running = True
             if self.config.log_stats:
                 req.events.append((EventType.SCHEDULED, now))
             scheduled.append((req, n))

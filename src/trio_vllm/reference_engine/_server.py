@@ -495,6 +495,12 @@ class EngineServer:
                 self._handle_input([f.buffer for f in frames])
 
     def _handle_input(self, frames: list[memoryview]) -> None:
+        head = bytes(frames[0][:2]) if frames else b""
+        if head == b"\x04":
+            # EXECUTOR_FAILED is vLLM's internal sentinel: its busy loop raises on it.
+            raise FatalEngineError("EXECUTOR_FAILED request received: executor failed")
+        if head == b"\x05":
+            return  # WAKEUP only wakes vLLM's idle loop
         try:
             kind, payload = self.wire.decode_input(frames)
         except WireError as exc:
