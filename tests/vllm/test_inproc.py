@@ -1,4 +1,4 @@
-"""InprocEngine: skipped cleanly without vLLM; against stock vLLM in a python that has it.
+"""InprocEngine against stock vLLM, in a python that has it (without: tests/sync).
 
 trio-vllm's own environment has no vLLM, so the real check runs
 ``_inproc_scenario.py`` with ``TRIO_VLLM_TEST_VLLM_PYTHON`` and this checkout's ``src``
@@ -14,21 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from trio_vllm.client._inproc import InprocEngine
-
 from .conftest import EXPECTED_GREEDY, REPO, TINY_MODEL, vllm_python
 
 SCENARIO = Path(__file__).with_name("_inproc_scenario.py")
-
-
-def test_without_vllm_it_says_so_before_doing_anything() -> None:
-    if InprocEngine.available():
-        pytest.skip("vLLM is importable here; this checks the environment without it")
-    engine = InprocEngine("some-model")
-    with pytest.raises(ImportError, match="needs vLLM importable"), engine:
-        pytest.fail("must not start")
-    with pytest.raises(RuntimeError, match="not started"):
-        engine.get_output()
 
 
 @pytest.mark.timeout(600)
