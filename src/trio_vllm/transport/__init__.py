@@ -21,6 +21,7 @@ from ._endpoints import PrivateIpcDir as PrivateIpcDir
 from ._endpoints import is_ipv6_endpoint as is_ipv6_endpoint
 from ._endpoints import normalize_endpoint as normalize_endpoint
 from ._endpoints import tcp_endpoint as tcp_endpoint
+from ._socket import DEFAULT_BATCH_BYTES as DEFAULT_BATCH_BYTES
 from ._socket import DEFAULT_COPY_THRESHOLD as DEFAULT_COPY_THRESHOLD
 from ._socket import AsyncSocket as AsyncSocket
 from ._socket import InFrame as InFrame
@@ -28,6 +29,7 @@ from ._socket import OutFrame as OutFrame
 from ._socket import wait_tracker as wait_tracker
 
 __all__ = [
+    "DEFAULT_BATCH_BYTES",
     "DEFAULT_COPY_THRESHOLD",
     "AsyncSocket",
     "InFrame",
