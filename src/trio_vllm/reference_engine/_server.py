@@ -57,7 +57,7 @@ _OUTPUT_LINGER_MS = 4000  # vLLM's linger for engine output PUSH sockets
 _HANDSHAKE_LINGER_MS = 5000
 _CLEAN_EXIT_LINGER_MS = 300  # a clean stop must finish within a second
 _DP_SYNC_INTERVAL = 16
-_FIREHOSE_HWM = 64
+_FIREHOSE_HWM = 1000  # libzmq's default HWM: bounded, but rarely full
 _FIREHOSE_BURST = 16
 
 
@@ -917,13 +917,13 @@ class EngineServer:
             token = prompt[len(req.output_token_ids) % len(prompt)]
             req.output_token_ids.append(token)
             done = len(req.output_token_ids) >= req.max_tokens
-            record = OutputRecord(req.request_id, [token],
-                                  finish_reason=int(FinishReason.LENGTH) if done else None)
+            finish = int(FinishReason.LENGTH) if done else None
             if req.events:
+                record = OutputRecord(req.request_id, [token], finish_reason=finish)
                 record.events, req.events = req.events, []
                 out = wire.output(record)
             else:
-                out = wire.token_output(req.request_id, token, record.finish_reason)
+                out = wire.token_output(req.request_id, token, finish)
             per_client.setdefault(req.client_index, []).append(out)
             if done:
                 del self.firehose[req.request_id]

@@ -134,6 +134,24 @@ class Wire:
         return EngineCoreOutputs(**fields)
 
     def output(self, record: OutputRecord) -> EngineCoreOutput:
+        if (
+            record.logprobs is None
+            and record.prompt_logprobs is None
+            and record.pooling_output is None
+            and not record.events
+            and record.prefill_stats is None
+            and record.error is None
+            and record.trace_headers is None
+            and record.stop_reason is None
+        ):
+            # The common decode-step case: positional construction is much cheaper.
+            if record.finish_reason is None:
+                return EngineCoreOutput(record.request_id, record.new_token_ids)
+            return EngineCoreOutput(
+                record.request_id,
+                record.new_token_ids,
+                finish_reason=FinishReason(record.finish_reason),
+            )
         new_logprobs = None
         if record.logprobs is not None:
             ids, vals, ranks = record.logprobs
