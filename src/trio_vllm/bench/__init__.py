@@ -76,6 +76,13 @@ def add_bench_parser(commands: Any) -> None:
     fh.add_argument(
         "--vllm-python", metavar="PY", help="a python with vLLM: also measure vLLM's AsyncMPClient"
     )
+    fh.add_argument(
+        "--mode",
+        default="live,backlog",
+        metavar="M[,M]",
+        help="live: read while the engine sends; backlog: drain after the engine sent "
+        "everything (the client's own capacity); default live,backlog",
+    )
     common(fh)
 
     lat = subs.add_parser(

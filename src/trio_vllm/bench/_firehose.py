@@ -4,7 +4,8 @@ The reference engine runs in firehose mode: every ADD joins a stream of messages
 BATCH one-token outputs, sent as fast as the output socket takes them. Cases:
 
 a. the ceiling: a blocking pyzmq PULL + trio-vllm's decoder in a tight loop;
-b. trio-vllm's raw batch API (``add_request`` + ``get_output``) on trio;
+b. trio-vllm's raw batch API (``add_request`` + ``get_output``) on trio; ``b+`` the
+   same, draining what is queued with ``get_output_nowait`` after each ``get_output``;
 c. the same on asyncio (through anyio);
 d. one ``generate`` stream per request, one consumer task each, with C concurrent
    consumers (default 256 and 4096), on trio;
@@ -17,6 +18,7 @@ first ADD to the last finished output.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -52,23 +54,30 @@ _TINY_LLAMA = {
 _PROMPT = [1, 2, 3]
 
 
-def _rates(outputs: int, messages: float, seconds: float) -> dict[str, float]:
+def _rates(outputs: int, messages: float, seconds: float, cpu_s: float) -> dict[str, float]:
     return {
         "outputs": outputs,
         "messages": messages,
         "seconds": seconds,
         "outputs_per_s": outputs / seconds,
         "messages_per_s": messages / seconds,
+        # The client's own CPU time (every thread of its process): robust to machine
+        # noise, where the rates are not (a busy client also slows the engine down).
+        "cpu_s": cpu_s,
+        "cpu_us_per_message": cpu_s / messages * 1e6,
     }
 
 
-def run_ceiling(batch: int, requests: int, tokens: int) -> dict[str, float]:
+def run_ceiling(batch: int, requests: int, tokens: int, backlog: float = 0.0) -> dict[str, float]:
     """(a) blocking pyzmq + ClientCodec."""
     with direct_engine(firehose=batch) as engine:
         reqs = [make_request(_PROMPT, max_tokens=tokens) for _ in range(requests)]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for request in reqs:
             engine.send_add(request)
+        if backlog:
+            time.sleep(backlog)
+            start, cpu = time.perf_counter(), time.process_time()
         outputs = messages = finished = 0
         while finished < requests:
             batch_out = engine.receive()
@@ -76,51 +85,83 @@ def run_ceiling(batch: int, requests: int, tokens: int) -> dict[str, float]:
             for out in batch_out.outputs:
                 outputs += len(out.new_token_ids)
                 finished += out.finish_reason is not None
-        return _rates(outputs, messages, time.perf_counter() - start)
+        return _rates(outputs, messages, time.perf_counter() - start, time.process_time() - cpu)
 
 
 def _engines(batch: int) -> ReferenceEngines:
     return ReferenceEngines(model="echo", extra_args=engine_args(firehose=batch))
 
 
-async def run_raw_api(batch: int, requests: int, tokens: int) -> dict[str, float]:
-    """(b, c) ``add_request`` + ``get_output`` on the current backend."""
+async def run_raw_api(
+    batch: int, requests: int, tokens: int, drain: bool = False, backlog: float = 0.0
+) -> dict[str, float]:
+    """(b, c) ``add_request`` + ``get_output`` on the current backend.
+
+    With ``drain``, every ``get_output`` is followed by ``get_output_nowait`` until
+    the queue is empty: one checkpoint per burst instead of one per message.
+    """
     async with open_client(_engines(batch), ready_timeout=120) as client:
         reqs = [make_request(_PROMPT, max_tokens=tokens) for _ in range(requests)]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for request in reqs:
             await client.add_request(request)
+        if backlog:
+            # Blocks the event loop on purpose: the engine's output piles up in the socket.
+            time.sleep(backlog)  # noqa: ASYNC251
+            start, cpu = time.perf_counter(), time.process_time()
         outputs = messages = finished = 0
         while finished < requests:
-            batch_out = await client.get_output()
-            messages += 1
-            for out in batch_out.outputs:
-                outputs += len(out.new_token_ids)
-                finished += out.finish_reason is not None
-        return _rates(outputs, messages, time.perf_counter() - start)
+            batches = [await client.get_output()]
+            if drain:
+                with contextlib.suppress(anyio.WouldBlock):
+                    while True:
+                        batches.append(client.get_output_nowait())
+            for batch_out in batches:
+                messages += 1
+                for out in batch_out.outputs:
+                    outputs += len(out.new_token_ids)
+                    finished += out.finish_reason is not None
+        return _rates(outputs, messages, time.perf_counter() - start, time.process_time() - cpu)
 
 
-async def run_streams(batch: int, consumers: int, tokens: int) -> dict[str, float]:
+async def run_streams(
+    batch: int, consumers: int, tokens: int, backlog: float = 0.0
+) -> dict[str, float]:
     """(d) one ``generate`` stream and consumer task per request."""
     async with open_client(_engines(batch), ready_timeout=120) as client:
         reqs = [make_request(_PROMPT, max_tokens=tokens) for _ in range(consumers)]
-        outputs = 0
+        outputs = opened = 0
+        all_open = anyio.Event()
 
         async def consume(request: Any) -> None:
-            nonlocal outputs
+            nonlocal outputs, opened
             async with client.generate(request) as stream:
+                opened += 1
+                if opened == consumers:
+                    all_open.set()
                 async for out in stream:
                     outputs += len(out.new_token_ids)
 
-        start = time.perf_counter()
+        before = 0
+        start, cpu = time.perf_counter(), time.process_time()
         async with anyio.create_task_group() as tg:
             for request in reqs:
                 tg.start_soon(consume, request)
+            if backlog:
+                await all_open.wait()
+                time.sleep(backlog)  # noqa: ASYNC251 (blocks the loop on purpose)
+                start, cpu = time.perf_counter(), time.process_time()
+                before = outputs  # count only what is received from now on
+        outputs -= before
         # Streams coalesce when a consumer lags, so count engine messages from outputs.
-        return _rates(outputs, outputs / batch, time.perf_counter() - start)
+        return _rates(
+            outputs, outputs / batch, time.perf_counter() - start, time.process_time() - cpu
+        )
 
 
-def run_vllm(python: str, batch: int, requests: int, tokens: int) -> dict[str, Any]:
+def run_vllm(
+    python: str, batch: int, requests: int, tokens: int, backlog: float = 0.0
+) -> dict[str, Any]:
     """(e) vLLM's AsyncMPClient in ``python``, reading a direct-mode reference engine."""
     scratch = ScratchDir()
     model_dir = Path(scratch.path, "tiny-llama")
@@ -134,7 +175,7 @@ def run_vllm(python: str, batch: int, requests: int, tokens: int) -> dict[str, A
             client = subprocess.Popen(
                 [python, str(_VLLM_SCRIPT), "--input", inputs, "--output", outputs,
                  "--requests", str(requests), "--tokens", str(tokens),
-                 "--model", str(model_dir)],
+                 "--model", str(model_dir), "--backlog", str(backlog)],
                 stdout=subprocess.PIPE, stderr=log_file, text=True,
                 env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
             )  # fmt: skip
@@ -154,7 +195,9 @@ def run_vllm(python: str, batch: int, requests: int, tokens: int) -> dict[str, A
             tail = log.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"vLLM client failed (exit {client.returncode}):\n{tail}")
         raw = json.loads(lines[-1][len("RESULT ") :])
-        result: dict[str, Any] = _rates(raw["outputs"], raw["messages"], raw["seconds"])
+        result: dict[str, Any] = _rates(
+            raw["outputs"], raw["messages"], raw["seconds"], raw["cpu_s"]
+        )
         result["vllm_version"] = raw["vllm_version"]
         return result
     finally:
@@ -164,8 +207,9 @@ def run_vllm(python: str, batch: int, requests: int, tokens: int) -> dict[str, A
 
 
 _LABELS = {
-    "a": "a  raw ceiling: blocking pyzmq + decoder",
+    "a": "a  ceiling: blocking pyzmq + decoder",
     "b": "b  trio-vllm get_output, trio",
+    "b+": "b+ get_output + get_output_nowait, trio",
     "c": "c  trio-vllm get_output, asyncio (anyio)",
     "e": "e  vLLM AsyncMPClient (asyncio)",
 }
@@ -177,6 +221,71 @@ def _label(key: str) -> str:
     return _LABELS[key]
 
 
+def _run_cases(
+    batch: int,
+    *,
+    messages: int,
+    requests: int,
+    consumers: list[int],
+    vllm_python: str | None,
+    backlog: float,
+    progress: bool,
+) -> dict[str, Any]:
+    total = messages * batch
+    tokens = max(1, total // requests)
+    cases: dict[str, dict[str, Any]] = {}
+    mode = f"backlog {backlog:.1f} s" if backlog else "live"
+
+    def note(key: str) -> None:
+        if progress:
+            c = cases[key]
+            print(
+                f"  [{batch}/msg, {mode}] {_label(key)}: {c['outputs_per_s']:,.0f} outputs/s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    cases["a"] = run_ceiling(batch, requests, tokens, backlog)
+    note("a")
+    cases["b"] = anyio.run(run_raw_api, batch, requests, tokens, False, backlog, backend="trio")
+    note("b")
+    cases["b+"] = anyio.run(run_raw_api, batch, requests, tokens, True, backlog, backend="trio")
+    note("b+")
+    cases["c"] = anyio.run(run_raw_api, batch, requests, tokens, False, backlog, backend="asyncio")
+    note("c")
+    for n in consumers:
+        # At least 32 outputs per stream, so the run measures streaming, not ADDs.
+        per_stream = max(32, total // n)
+        key = f"d{n}"
+        cases[key] = anyio.run(run_streams, batch, n, per_stream, backlog, backend="trio")
+        cases[key]["consumers"] = n
+        note(key)
+    if vllm_python:
+        cases["e"] = run_vllm(vllm_python, batch, requests, tokens, backlog)
+        note("e")
+
+    def r(num: str, den: str) -> float | None:
+        n, d = cases.get(num), cases.get(den)
+        return ratio(n["outputs_per_s"], d["outputs_per_s"]) if n and d else None
+
+    def cap(num: str, den: str) -> float | None:
+        # Capacity: outputs per CPU-second of the client; ratio = den CPU / num CPU.
+        n, d = cases.get(num), cases.get(den)
+        if not n or not d:
+            return None
+        return ratio(n["outputs"] / n["cpu_s"], d["outputs"] / d["cpu_s"])
+
+    pairs = [("b", "a"), ("b+", "a"), ("c", "a"), ("b", "e"), ("e", "a")]
+    pairs += [(f"d{n}", "b") for n in consumers]
+    return {
+        "backlog_s": backlog,
+        "outputs_per_request": tokens,
+        "cases": cases,
+        "ratios": {f"{x}/{y}": r(x, y) for x, y in pairs},
+        "cpu_ratios": {f"{x}/{y}": cap(x, y) for x, y in pairs},
+    }
+
+
 def run_one_batch(
     batch: int,
     *,
@@ -184,54 +293,33 @@ def run_one_batch(
     requests: int,
     consumers: list[int],
     vllm_python: str | None,
+    modes: list[str],
     progress: bool,
 ) -> dict[str, Any]:
-    """Every case at ``batch`` outputs per message; returns cases and ratios."""
-    total = messages * batch
-    tokens = max(1, total // requests)
-    cases: dict[str, dict[str, Any]] = {}
+    """Every case at ``batch`` outputs per message, live and/or from a backlog.
 
-    def note(key: str) -> None:
-        if progress:
-            c = cases[key]
-            print(
-                f"  [{batch}/msg] {_label(key)}: {c['outputs_per_s']:,.0f} outputs/s",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    cases["a"] = run_ceiling(batch, requests, tokens)
-    note("a")
-    cases["b"] = anyio.run(run_raw_api, batch, requests, tokens, backend="trio")
-    note("b")
-    cases["c"] = anyio.run(run_raw_api, batch, requests, tokens, backend="asyncio")
-    note("c")
-    for n in consumers:
-        # At least 32 outputs per stream, so the run measures streaming, not ADDs.
-        per_stream = max(32, total // n)
-        cases[f"d{n}"] = anyio.run(run_streams, batch, n, per_stream, backend="trio")
-        cases[f"d{n}"]["consumers"] = n
-        note(f"d{n}")
-    if vllm_python:
-        cases["e"] = run_vllm(vllm_python, batch, requests, tokens)
-        note("e")
-
-    def r(num: str, den: str) -> float | None:
-        n, d = cases.get(num), cases.get(den)
-        return ratio(n["outputs_per_s"], d["outputs_per_s"]) if n and d else None
-
-    ratios: dict[str, float | None] = {"b/a": r("b", "a"), "c/a": r("c", "a")}
-    ratios["b/e"] = r("b", "e")
-    ratios["e/a"] = r("e", "a")
-    for n in consumers:
-        ratios[f"d{n}/b"] = r(f"d{n}", "b")
-    return {
-        "batch": batch,
-        "requests": requests,
-        "outputs_per_request": tokens,
-        "cases": cases,
-        "ratios": ratios,
-    }
+    ``live``: the client reads while the engine sends (rates are bounded by the
+    slower of the two). ``backlog``: the client first sleeps (blocking) until the
+    engine has sent everything, then drains the queued messages: the client's own
+    capacity. The wait is 1.5 x the live ceiling's duration + 0.5 s (or M / 1000 s).
+    """
+    result: dict[str, Any] = {"batch": batch, "requests": requests}
+    kwargs = dict(
+        messages=messages,
+        requests=requests,
+        consumers=consumers,
+        vllm_python=vllm_python,
+        progress=progress,
+    )
+    if "live" in modes:
+        result["live"] = _run_cases(batch, backlog=0.0, **kwargs)  # type: ignore[arg-type]
+    if "backlog" in modes:
+        if "live" in result:
+            wait = 1.5 * result["live"]["cases"]["a"]["seconds"] + 0.5
+        else:
+            wait = messages / 1000 + 1.0
+        result["backlog"] = _run_cases(batch, backlog=wait, **kwargs)  # type: ignore[arg-type]
+    return result
 
 
 _TARGETS = {"b/a": 0.8, "b/e": 3.0, "d256/b": 0.25}
@@ -247,32 +335,53 @@ def run(args: Any) -> int:
             requests=args.requests,
             consumers=consumers,
             vllm_python=args.vllm_python,
+            modes=[m for m in str(args.mode).split(",") if m],
             progress=not args.json and not args.quiet,
         )
         for b in batches
     ]
     report = {"bench": "firehose", "machine": machine(), "targets": _TARGETS, "runs": results}
     table: list[str] = []
-    for res in results:
+    for batch_result in results:
+        for mode in ("live", "backlog"):
+            if mode in batch_result:
+                _table(table, batch_result, mode)
+    table.append(
+        "CPU capacity = outputs per CPU-second of the client process; on a shared machine "
+        "it is the steadier figure (a client's CPU use also slows the engine)."
+    )
+    emit(report, as_json=args.json, table=table)
+    return 0
+
+
+def _table(table: list[str], batch_result: dict[str, Any], mode: str) -> None:
+    res = batch_result[mode]
+    how = (
+        "live (read while the engine sends)"
+        if mode == "live"
+        else f"backlog (drain after a {res['backlog_s']:.1f} s pile-up)"
+    )
+    table.append(
+        f"firehose {how}: {batch_result['batch']} outputs/message, "
+        f"{batch_result['requests']} requests x {res['outputs_per_request']:,} outputs"
+    )
+    table.append(
+        f"  {'case':42s} {'outputs/s':>11s} {'messages/s':>10s} {'vs a':>5s}"
+        f" {'client CPU us/msg':>17s}"
+    )
+    a = res["cases"]["a"]["outputs_per_s"]
+    for key, c in res["cases"].items():
         table.append(
-            f"firehose: {res['batch']} outputs/message, {res['requests']} requests x "
-            f"{res['outputs_per_request']:,} outputs (streams: >= 32 outputs each)"
+            f"  {_label(key):42s} {c['outputs_per_s']:11,.0f} {c['messages_per_s']:10,.0f}"
+            f" {c['outputs_per_s'] / a:5.2f} {c['cpu_us_per_message']:17.1f}"
         )
-        table.append(f"  {'case':44s} {'outputs/s':>12s} {'messages/s':>12s} {'vs a':>6s}")
-        a = res["cases"]["a"]["outputs_per_s"]
-        for key, c in res["cases"].items():
-            table.append(
-                f"  {_label(key):44s} {c['outputs_per_s']:12,.0f} {c['messages_per_s']:12,.0f}"
-                f" {c['outputs_per_s'] / a:6.2f}"
-            )
+    for title, values in (("throughput", res["ratios"]), ("CPU capacity", res["cpu_ratios"])):
         parts = []
-        for key, value in res["ratios"].items():
+        for key, value in values.items():
             if value is None:
                 continue
             target = _TARGETS.get(key)
             mark = "" if target is None else (" ok" if value >= target else f" < {target}")
             parts.append(f"{key} {fmt(value, '.2f')}{mark}")
-        table.append("  ratios: " + ", ".join(parts))
-        table.append("")
-    emit(report, as_json=args.json, table=table)
-    return 0
+        table.append(f"  {title} ratios: " + ", ".join(parts))
+    table.append("")
