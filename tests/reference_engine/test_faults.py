@@ -275,3 +275,18 @@ def test_internal_request_types(spawn) -> None:  # type: ignore[no-untyped-def]
     fe.send_raw([b"\x04", b"\x90"])  # EXECUTOR_FAILED: fatal, like vLLM's busy loop
     assert isinstance(fe.recv(), EngineCoreDead)
     assert fe.wait_exit(10) == 1
+
+
+def test_help_documents_every_fault_flag() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "trio_vllm.reference_engine", "--help"],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout
+    for flag in ("--die-after-steps", "--dead-after-steps", "--stall-after-steps",
+                 "--startup-delay", "--crash-on-startup", "--garbage-after-steps",
+                 "--fail-utility", "--output-delay-ms", "--control-address", "--firehose",
+                 "--protocol", "--input-address", "--output-address", "--device"):
+        assert flag in out

@@ -56,6 +56,13 @@ def test_simple_utilities(spawn, tmp_path) -> None:  # type: ignore[no-untyped-d
         "attribute 'no_such_method'"
     failure, _ = fe.call("reset_mm_cache", 1, 2)  # more args than parameters
     assert failure == "Call to reset_mm_cache method failed: "
+    # Any exception inside a utility comes back as a failure; the engine carries on.
+    failure, _ = fe.call("wake_up", 5)
+    assert failure is not None
+    assert failure.startswith("Call to wake_up method failed: ")
+    failure, _ = fe.call("collective_rpc", "echo", None, [1], {"unexpected": 1})
+    assert failure is not None
+    assert fe.call("collective_rpc", "echo", None, [1, "a"], None) == (None, [[1, "a"]])
     failure, _ = fe.call("reinitialize_distributed", {})
     assert failure is not None
     assert failure.startswith("Call to reinitialize_distributed")

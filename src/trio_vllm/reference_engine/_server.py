@@ -712,7 +712,7 @@ class EngineServer:
                 continue
             try:
                 value = deferred.finish()
-            except UtilityError as exc:
+            except Exception as exc:
                 self._reply(client_index, call_id, f"Call to {method} method failed: {exc}", None)
             else:
                 self._reply(client_index, call_id, None, value)

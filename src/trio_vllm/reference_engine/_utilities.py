@@ -128,9 +128,8 @@ class Utilities:
             return func(*args)
         except UtilityError:
             raise
-        except TypeError as exc:
-            raise UtilityError(str(exc)) from exc
-        except (ValueError, AssertionError, RuntimeError, KeyError) as exc:
+        except Exception as exc:
+            # vLLM catches every exception of a utility and replies with its text.
             raise UtilityError(str(exc)) from exc
 
     # ---- helpers ---------------------------------------------------------------------
