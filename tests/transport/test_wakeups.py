@@ -18,27 +18,46 @@ pytestmark = pytest.mark.anyio
 
 
 async def _dealer_with_router_peer(
-    ctx: zmq.Context[Any],
+    ctx: zmq.Context[Any], hwm: int = 1000
 ) -> tuple[AsyncSocket, zmq.Socket[Any]]:
     peer: zmq.Socket[Any] = ctx.socket(zmq.ROUTER)
     peer.setsockopt(zmq.LINGER, 0)
-    port = peer.bind_to_random_port("tcp://127.0.0.1")
-    dealer = AsyncSocket.create(ctx, zmq.DEALER, options={zmq.IDENTITY: b"dealer"})
-    dealer.connect(f"tcp://127.0.0.1:{port}")
+    peer.setsockopt(zmq.RCVHWM, hwm)
+    # inproc: no I/O thread or kernel buffer in between, so no stray command
+    # re-signals the fd and hides a lost wake-up.
+    endpoint = f"inproc://dealer-peer-{id(peer):x}"
+    peer.bind(endpoint)
+    dealer = AsyncSocket.create(ctx, zmq.DEALER, options={zmq.IDENTITY: b"dealer", zmq.SNDHWM: hwm})
+    dealer.connect(endpoint)
     await dealer.send([b"hello"])
     assert recv_with_timeout(peer) == [b"dealer", b"hello"]
     return dealer, peer
 
 
+async def _fill_outgoing(sock: AsyncSocket) -> None:
+    """Queue messages until the peer's pipe stays full (libzmq keeps draining a while)."""
+    quiet_rounds = 0
+    with anyio.fail_after(20):
+        while quiet_rounds < 3:
+            added = sock.send_many([b"f" * 16384] for _ in range(1000))
+            full = added == 0 and not sock.get_option(zmq.EVENTS) & zmq.POLLOUT
+            quiet_rounds = quiet_rounds + 1 if full else 0
+            await anyio.sleep(0.02)
+
+
 async def _edge_stolen_scenario(ctx: zmq.Context[Any], steal: str) -> list[list[Any]]:
     """A task waits on a DEALER; a reply arrives; another call consumes the fd edge.
 
-    The loop is blocked (time.sleep) between the reply's arrival and the stealing
-    call, so the waiting task cannot run before its edge is consumed.
+    The stealing call may succeed or fail (a send that hits the high-water mark
+    processes libzmq's commands too). The loop is blocked (time.sleep) between the
+    reply's arrival and the stealing call, so the waiting task cannot run before its
+    edge is consumed.
     """
-    dealer, peer = await _dealer_with_router_peer(ctx)
+    dealer, peer = await _dealer_with_router_peer(ctx, hwm=1 if steal == "failed_send" else 1000)
     got: list[list[Any]] = []
     try:
+        if steal == "failed_send":
+            await _fill_outgoing(dealer)
         async with anyio.create_task_group() as tg:
 
             async def receiver() -> None:
@@ -50,6 +69,9 @@ async def _edge_stolen_scenario(ctx: zmq.Context[Any], steal: str) -> list[list[
             time.sleep(0.1)  # noqa: ASYNC251 - block the loop while libzmq signals the fd
             if steal == "send":
                 dealer.send_nowait([b"ping"])
+            elif steal == "failed_send":
+                with pytest.raises(anyio.WouldBlock):
+                    dealer.send_nowait([b"ping"])
             elif steal == "get_option":
                 dealer.get_option(zmq.EVENTS)
             elif steal == "set_option":
@@ -65,7 +87,7 @@ async def _edge_stolen_scenario(ctx: zmq.Context[Any], steal: str) -> list[list[
     return got
 
 
-@pytest.mark.parametrize("steal", ["send", "get_option", "set_option"])
+@pytest.mark.parametrize("steal", ["send", "failed_send", "get_option", "set_option"])
 async def test_waiter_woken_when_another_call_consumes_the_edge(
     ctx: zmq.Context[Any], steal: str
 ) -> None:

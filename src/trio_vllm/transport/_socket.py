@@ -214,7 +214,8 @@ class AsyncSocket:
             value: int | bytes = self._socket.getsockopt(option)
         except zmq.ZMQError as exc:
             raise self._translate(exc) from exc
-        self._after_call()
+        finally:
+            self._after_call()
         return value
 
     def set_option(self, option: int, value: OptionValue) -> None:
@@ -228,9 +229,10 @@ class AsyncSocket:
             _setsockopt(self._socket, option, value)
         except zmq.ZMQError as exc:
             raise self._translate(exc) from exc
+        finally:
+            self._after_call()
         if option == zmq.LINGER and isinstance(value, int):
             self._linger = value
-        self._after_call()
 
     def subscribe(self, topic: bytes = b"") -> None:
         """Subscribe a SUB socket to ``topic`` (``b""``: everything)."""
@@ -253,7 +255,8 @@ class AsyncSocket:
             last = self._socket.getsockopt(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
             raise self._translate(exc) from exc
-        self._after_call()
+        finally:
+            self._after_call()
         assert isinstance(last, bytes)
         return last.decode()
 
@@ -278,7 +281,8 @@ class AsyncSocket:
             self._socket.connect(endpoint)
         except zmq.ZMQError as exc:
             raise self._translate(exc) from exc
-        self._after_call()
+        finally:
+            self._after_call()
         return endpoint
 
     # ------------------------------------------------------------------ receiving
@@ -299,6 +303,7 @@ class AsyncSocket:
             except zmq.Again:
                 backoff = await self._wait(_POLLIN, backoff)
             except zmq.ZMQError as exc:
+                self._after_call()
                 raise self._translate(exc) from exc
             else:
                 break
@@ -347,7 +352,9 @@ class AsyncSocket:
             raise anyio.WouldBlock from None
         except zmq.ZMQError as exc:
             raise self._translate(exc) from exc
-        self._after_call()
+        finally:
+            # Failed calls process libzmq's commands too and can eat a waiter's edge.
+            self._after_call()
         return message
 
     # ------------------------------------------------------------------ sending
@@ -398,7 +405,8 @@ class AsyncSocket:
             raise anyio.WouldBlock from None
         except zmq.ZMQError as exc:
             raise self._translate(exc, frames) from exc
-        self._after_call()
+        finally:
+            self._after_call()
 
     def send_many(self, messages: Iterable[Sequence[OutFrame]], *, copy: bool = True) -> int:
         """Send messages in order until one would block; return how many were sent.
@@ -426,8 +434,7 @@ class AsyncSocket:
                     raise self._translate(exc, frames) from exc
                 sent += 1
         finally:
-            if sent:
-                self._after_call()
+            self._after_call()
         return sent
 
     # ------------------------------------------------------------------ closing
@@ -557,6 +564,7 @@ class AsyncSocket:
             pass
         except zmq.ZMQError as exc:
             if not batch:
+                self._after_call()
                 raise self._translate(exc) from exc
             # Deliver what was dequeued; a persistent error shows up on the next call.
         return batch
@@ -571,6 +579,7 @@ class AsyncSocket:
             except zmq.Again:
                 backoff = await self._wait(_POLLOUT, backoff)
             except zmq.ZMQError as exc:
+                self._after_call()
                 raise self._translate(exc, frames) from exc
 
     def _events(self) -> int:
@@ -595,8 +604,9 @@ class AsyncSocket:
             self._parked = still
 
     def _after_call(self) -> None:
-        # A call may have consumed the edge a waiter needs; re-read EVENTS while anyone
-        # waits. Parked waiters exist only while there is an owner, so one check suffices.
+        # Any call (successful or not) may have consumed the edge a waiter needs;
+        # re-read EVENTS while anyone waits. Parked waiters exist only while there is
+        # an owner, so one check suffices.
         if self._owner is not None:
             self._notify(self._events())
 
@@ -615,6 +625,12 @@ class AsyncSocket:
         Cancellation: nothing is consumed here, so a cancelled wait changes nothing.
         """
         if self._owner is not None:
+            # The call that just failed may have processed the command that was to
+            # wake the owner or a parked task: re-read EVENTS and pass it on.
+            events = self._events()
+            self._notify(events)
+            if backoff is None and events & mask:
+                return _BACKOFF_START
             parked = _Parked(mask)
             self._parked.append(parked)
             try:
