@@ -116,8 +116,7 @@ def add_generate_parser(commands: Any) -> None:
     o.add_argument(
         "--json",
         action="store_true",
-        help='one line per request: {"request_id", "token_ids", "finish_reason"}; '
-        "no progress",
+        help='one line per request: {"request_id", "token_ids", "finish_reason"}; no progress',
     )
 
 

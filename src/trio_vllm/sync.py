@@ -508,4 +508,3 @@ class SyncClient:
     def compute_weight_checksums(self) -> list[dict[str, str]]:
         """Weight checksums, one map per worker."""
         return self._call(self.async_client.compute_weight_checksums)
-

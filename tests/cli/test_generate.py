@@ -65,8 +65,9 @@ def test_utf8_text_round_trips_byte_level() -> None:
 
 
 def test_json_token_ids_one_line_per_request_and_quiet() -> None:
-    result = run("--prompt-token-ids", "1,5,7,9", "--prompt-token-ids", "3,4",
-                 "--max-tokens", "8", "--json")
+    result = run(
+        "--prompt-token-ids", "1,5,7,9", "--prompt-token-ids", "3,4", "--max-tokens", "8", "--json"
+    )
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     lines = [json.loads(line) for line in result.stdout.splitlines()]
@@ -84,9 +85,23 @@ def test_token_prompt_prints_ids_and_seeded_sampling_is_reproducible() -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout == "1 5 7 1 5\n"
     # Two requests with the same seed sample the same tokens (unseeded ones would not).
-    seeded = run("--model", "tiny", "--prompt-token-ids", "1,2,3", "--prompt-token-ids",
-                 "1,2,3", "--max-tokens", "6", "--temperature", "1.0", "--seed", "7",
-                 "--json", "--ignore-eos", timeout=110)
+    seeded = run(
+        "--model",
+        "tiny",
+        "--prompt-token-ids",
+        "1,2,3",
+        "--prompt-token-ids",
+        "1,2,3",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "1.0",
+        "--seed",
+        "7",
+        "--json",
+        "--ignore-eos",
+        timeout=110,
+    )
     assert seeded.returncode == 0, seeded.stderr
     first, second = (json.loads(line)["token_ids"] for line in seeded.stdout.splitlines())
     assert len(first) == 6
@@ -152,8 +167,19 @@ def test_connect_waits_for_an_engine_started_elsewhere() -> None:
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     cli = subprocess.Popen(
-        [*CLI, "--connect", address, "--engines", "1", "--prompt-token-ids", "1,5,7,9",
-         "--max-tokens", "8", "--ready-timeout", "90"],
+        [
+            *CLI,
+            "--connect",
+            address,
+            "--engines",
+            "1",
+            "--prompt-token-ids",
+            "1,5,7,9",
+            "--max-tokens",
+            "8",
+            "--ready-timeout",
+            "90",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -164,8 +190,15 @@ def test_connect_waits_for_an_engine_started_elsewhere() -> None:
         first = cli.stderr.readline()  # progress shows before any engine exists
         assert "0/1 connected" in first, first
         engine = subprocess.Popen(
-            [sys.executable, "-m", "trio_vllm.reference_engine", "--handshake-address",
-             address, "--model", "echo"],
+            [
+                sys.executable,
+                "-m",
+                "trio_vllm.reference_engine",
+                "--handshake-address",
+                address,
+                "--model",
+                "echo",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

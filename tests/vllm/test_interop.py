@@ -124,8 +124,9 @@ def test_abort_mid_stream(client: SyncClient) -> None:
     assert running, "the engine sent no scheduler stats"
     assert max(running) == 1, f"the aborted request still runs: {running}"
     # Its id is free again.
-    again = client.generate(make_request([1, 5, 7, 9], max_tokens=2,
-                                         request_id=long_request.request_id))
+    again = client.generate(
+        make_request([1, 5, 7, 9], max_tokens=2, request_id=long_request.request_id)
+    )
     assert again.collect() == EXPECTED_GREEDY[:2]
 
 
@@ -156,8 +157,8 @@ def test_utilities(client: SyncClient) -> None:
     with pytest.raises(UtilityCallError, match="no_such_method"):
         client.call_utility("no_such_method")
     # Still generating correctly after the utilities.
-    assert client.generate(make_request([1, 5, 7, 9], max_tokens=4)).collect() == (
-        EXPECTED_GREEDY[:4]
+    assert (
+        client.generate(make_request([1, 5, 7, 9], max_tokens=4)).collect() == (EXPECTED_GREEDY[:4])
     )
 
 

@@ -242,9 +242,7 @@ class InprocEngine:
         if mode_at is not None and args[mode_at : mode_at + 1] == ("wait",):
             raise ValueError(f"'wait' pause mode is not supported in-process ({method})")
         frames = self._codec.encode_utility(0, 0, method, list(args))
-        _, _, _, wire_args = self._vllm_generic_decoder.decode(
-            [memoryview(f) for f in frames[1:]]
-        )
+        _, _, _, wire_args = self._vllm_generic_decoder.decode([memoryview(f) for f in frames[1:]])
         func = getattr(core, method)
         result = func(*self._convert_args(func, wire_args))
         if hasattr(result, "done") and hasattr(result, "result"):  # a concurrent Future
