@@ -12,7 +12,7 @@ import zmq
 from trio_vllm import UnroutableError
 from trio_vllm.transport import AsyncSocket
 
-from ._helpers import Worker, recv_with_timeout
+from ._helpers import Worker, recv_with_timeout, until, wait_for_waiters
 
 pytestmark = pytest.mark.anyio
 
@@ -32,6 +32,20 @@ async def _router_with_peer(
     with anyio.fail_after(5):
         assert await router.receive() == [b"peer", b"hello"]
     return router, peer
+
+
+async def _connect_other_peer(ctx: zmq.Context[Any], router: AsyncSocket) -> zmq.Socket[Any]:
+    """A second, idle peer: with one peer full and one not, POLLOUT stays set."""
+    other: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+    other.setsockopt(zmq.LINGER, 0)
+    other.setsockopt(zmq.IDENTITY, b"other")
+    endpoint = router.get_option(zmq.LAST_ENDPOINT)
+    assert isinstance(endpoint, bytes)
+    other.connect(endpoint.decode())
+    other.send(b"hello")
+    with anyio.fail_after(5):
+        assert await router.receive() == [b"other", b"hello"]
+    return other
 
 
 async def test_send_to_unknown_identity_raises(ctx: zmq.Context[Any]) -> None:
@@ -91,10 +105,12 @@ async def test_full_peer_backs_off_instead_of_spinning(ctx: zmq.Context[Any]) ->
     full, so waiting on the fd alone would spin at 100 % CPU.
     """
     router, peer = await _router_with_peer(ctx, hwm=2)
+    other = await _connect_other_peer(ctx, router)
     try:
         filled = await _fill_peer(router)
         with pytest.raises(anyio.WouldBlock):
             router.send_nowait([b"peer", b"x"])
+        assert router.get_option(zmq.EVENTS) & zmq.POLLOUT, "POLLOUT should stay set"
         cpu0, wall0 = time.process_time(), time.monotonic()
         with anyio.move_on_after(0.5) as scope:
             await router.send([b"peer", b"CANCELLED"])
@@ -118,4 +134,50 @@ async def test_full_peer_backs_off_instead_of_spinning(ctx: zmq.Context[Any]) ->
     finally:
         router.close()
         peer.close()
+        other.close()
     assert drained == [FILL] * filled + [b"last"]
+
+
+async def test_backoff_does_not_ping_pong_with_a_waiting_receiver(ctx: zmq.Context[Any]) -> None:
+    """A receiver waits on the same ROUTER while a send to a full peer backs off.
+
+    Each wake-up check of one must not cut the other's back-off short, or the two
+    tasks wake each other in a loop at full CPU.
+    """
+    router, peer = await _router_with_peer(ctx, hwm=2)
+    other = await _connect_other_peer(ctx, router)
+    try:
+        await _fill_peer(router)
+        assert router.get_option(zmq.EVENTS) & zmq.POLLOUT, "POLLOUT should stay set"
+        received: list[list[Any]] = []
+        send_outcome: list[str] = []
+        async with anyio.create_task_group() as tg:
+
+            async def sender() -> None:
+                with anyio.move_on_after(0.6) as scope:
+                    await router.send([b"peer", b"CANCELLED"])
+                send_outcome.append("cancelled" if scope.cancelled_caught else "sent")
+
+            async def receiver() -> None:
+                received.append(await router.receive())
+
+            # The sender first, so that it owns the fd in back-off when the receiver
+            # arrives and reads EVENTS (POLLOUT is always set on a ROUTER).
+            tg.start_soon(sender)
+            await wait_for_waiters(router, 1)
+            tg.start_soon(receiver)
+            await anyio.sleep(0.02)
+            cpu0, wall0 = time.process_time(), time.monotonic()
+            await anyio.sleep(0.4)
+            cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+            assert cpu < 0.25 * wall, f"send + receive burnt {cpu:.3f} s CPU in {wall:.3f} s"
+            await until(lambda: bool(send_outcome))
+            assert send_outcome == ["cancelled"]
+            # The receiver still works.
+            peer.send(b"to the receiver")
+            await until(lambda: bool(received))
+        assert received == [[b"peer", b"to the receiver"]]
+    finally:
+        router.close()
+        peer.close()
+        other.close()

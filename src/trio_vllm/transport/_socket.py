@@ -631,7 +631,9 @@ class AsyncSocket:
             self._notify(events)
             if backoff is None and events & mask:
                 return _BACKOFF_START
-            parked = _Parked(mask)
+            # In back-off, EVENTS already claimed readiness in vain: wake this task
+            # only when the owner leaves, or a busy peer task would ping-pong with it.
+            parked = _Parked(mask if backoff is None else 0)
             self._parked.append(parked)
             try:
                 await parked.event.wait()
@@ -650,7 +652,9 @@ class AsyncSocket:
         else:
             deadline = anyio.current_time() + backoff
         scope = anyio.CancelScope(deadline=deadline)
-        self._owner = _Owner(mask, scope)
+        # A back-off owner (mask 0) is not woken by EVENTS readings, for the same
+        # reason; its deadline and the fd wake it.
+        self._owner = _Owner(mask if backoff is None else 0, scope)
         try:
             with scope:
                 await anyio.wait_readable(self._fd)
