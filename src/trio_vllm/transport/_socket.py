@@ -22,6 +22,7 @@ Design in brief (``docs/transport.md`` has the long form):
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
@@ -452,7 +453,10 @@ class AsyncSocket:
         self._closed = True
         try:
             if self._owner is not None:
-                anyio.notify_closing(self._fd)
+                # RuntimeError: no event loop running here (teardown from a finalizer);
+                # the owner's loop is gone, so there is no one left to wake.
+                with contextlib.suppress(RuntimeError):
+                    anyio.notify_closing(self._fd)
             self._wake_all_parked()
         finally:
             self._socket.close(linger=self._linger if linger is None else linger)
