@@ -110,6 +110,11 @@ def main() -> None:
             rogue.send(msgspec.msgpack.encode(ready_response))
         if fault == "second-ready" and steps == fault_n:
             inp.send(msgspec.msgpack.encode(ready_response))
+        if fault == "flush-exit" and steps == fault_n:
+            inp.close(linger=0)
+            out.close(linger=4000)  # every output sent so far leaves the process
+            ctx.term()
+            sys.exit(5)
         if fault == "exit" and steps == fault_n:
             sys.exit(5)
         batch: list[object] = []

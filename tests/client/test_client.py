@@ -35,12 +35,12 @@ async def echo(client: EngineCoreClient, *args: object, rank: int | None = None)
     return await client.call_utility("collective_rpc", "echo", None, list(args), None, rank=rank)
 
 
-async def _engine_is_idle(client: EngineCoreClient, timeout: float = 8) -> bool:
+async def _engine_is_idle(client: EngineCoreClient, probe_s: float = 8) -> bool:
     """True if the engine has no running request: a ``wait`` pause completes at once.
 
     A request that was not aborted would keep the pause waiting (minutes with LONG).
     """
-    with anyio.move_on_after(timeout):
+    with anyio.move_on_after(probe_s):
         await client.pause_scheduler("wait", False)
         await client.resume_scheduler()
         return True
@@ -144,7 +144,7 @@ async def test_unaborted_request_keeps_engine_busy() -> None:
     async with open_client(engines, ready_timeout=30) as client:
         await client.add_request(make_request([1, 2, 3], max_tokens=900_000))
         await client.get_output()
-        assert not await _engine_is_idle(client, timeout=1.5)
+        assert not await _engine_is_idle(client, probe_s=1.5)
         await client.abort_requests(client.live_requests)
 
 

@@ -85,6 +85,27 @@ async def test_process_exit_mid_stream() -> None:
     assert "exited with code 5" in str(error)
 
 
+def _block_event_loop(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+async def test_outputs_queued_before_exit_are_delivered_first() -> None:
+    """The exit and the last outputs become visible together (the loop was blocked);
+    the outputs still reach the stream, in order, before it raises."""
+    async with open_client(FakeEngines("flush-exit", 5), ready_timeout=20) as client:
+        async with client.generate(make_request([1, 2, 3], max_tokens=1000)) as stream:
+            tokens = list((await stream.receive()).new_token_ids)
+            _block_event_loop(1.0)  # meanwhile the engine sends 3 more steps and exits
+
+            async def consume() -> None:
+                async for out in stream:
+                    tokens.extend(out.new_token_ids)
+
+            with pytest.raises(EngineDeadError, match="exited with code 5"), anyio.fail_after(10):
+                await consume()
+        assert tokens == [1, 2, 3, 1]
+
+
 async def test_exit_during_startup_names_code_and_output() -> None:
     start = time.monotonic()
     with pytest.raises(EngineStartupError) as info:

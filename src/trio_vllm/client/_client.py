@@ -62,6 +62,10 @@ DEFAULT_READY_TIMEOUT: Final = 600.0
 DEFAULT_SHUTDOWN_GRACE: Final = 5.0
 # Reserved engine-initiated call ids (PROTOCOL.md §6.4): never matched to calls.
 _RESERVED_CALL_IDS: Final = frozenset({-1, -2})
+# After an engine process exit: drain its last outputs until quiet this long, at most
+# _EXIT_DRAIN_S, before declaring the death (both well inside the 100 ms promise).
+_EXIT_QUIET_S: Final = 0.004
+_EXIT_DRAIN_S: Final = 0.03
 # Fields whose presence makes an outputs batch worth handing to get_output().
 _RAW_INTEREST: Final = ("scheduler_stats", "wave_complete", "start_wave")
 
@@ -145,6 +149,8 @@ class EngineCoreClient:
         self._closing = False
         self._processes: list[EngineProcess] = []
         self._addresses: dict[str, str] = {}
+        self._receive_scope: anyio.CancelScope | None = None
+        self._exited: list[EngineProcess] = []
 
     # ------------------------------------------------------------------ properties
 
@@ -238,14 +244,20 @@ class EngineCoreClient:
         self._dead_event.set()
 
     def _on_process_exit(self, process: EngineProcess) -> None:
-        if self._closing:
+        if self._closing or self.dead:
             return
+        if self._receive_scope is None:
+            self._die_of_exit(process)
+            return
+        # Outputs the engine sent before exiting may still sit in the output socket:
+        # the receive task drains them first (a few ms), then declares the death, so
+        # that they reach their streams in order.
+        self._exited.append(process)
+        self._receive_scope.cancel()
+
+    def _die_of_exit(self, process: EngineProcess) -> None:
         rank = process.ranks[0] if len(process.ranks) == 1 else None
-        self._set_dead(
-            f"engine process died: {process.describe_exit()}",
-            rank=rank,
-            cause=None,
-        )
+        self._set_dead(f"engine process died: {process.describe_exit()}", rank=rank)
 
     # ------------------------------------------------------------------ routing
 
@@ -696,11 +708,22 @@ class EngineCoreClient:
         """Receive task for one output socket; ends on close or death, never raises."""
         try:
             while self._dead_message is None:
-                batch = await socket.receive_batch()
+                batch: list[Any] = []
+                with anyio.CancelScope() as scope:
+                    self._receive_scope = scope
+                    if self._exited:
+                        scope.cancel()
+                    # Cancelled while waiting: nothing was dequeued (transport contract).
+                    batch = await socket.receive_batch()
+                self._receive_scope = None
                 for frames in batch:
                     self._handle_frames(frames)
                     if self.dead:
                         return
+                if self._exited:
+                    await self._drain_after_exit(socket)
+                    self._die_of_exit(self._exited[0])
+                    return
         except anyio.ClosedResourceError:
             if not self._closing:
                 self._set_dead("output socket closed", cause=None)
@@ -710,6 +733,28 @@ class EngineCoreClient:
             raise
         except Exception as exc:
             self._set_dead(f"receive task failed: {exc!r}", cause=exc)
+        finally:
+            self._receive_scope = None
+
+    async def _drain_after_exit(self, socket: AsyncSocket) -> None:
+        """Handle what the dead engine sent before exiting: read until the socket has
+        been quiet for a few ms (ZeroMQ's I/O thread may still be moving the last
+        messages from the kernel), at most ``_EXIT_DRAIN_S``."""
+        deadline = anyio.current_time() + _EXIT_DRAIN_S
+        quiet_since: float | None = None
+        while not self.dead:
+            try:
+                frames = socket.receive_nowait()
+            except anyio.WouldBlock:
+                now = anyio.current_time()
+                if quiet_since is None:
+                    quiet_since = now
+                if now - quiet_since >= _EXIT_QUIET_S or now >= deadline:
+                    return
+                await anyio.sleep(0.001)
+                continue
+            quiet_since = None
+            self._handle_frames(frames)
 
 
 # ---------------------------------------------------------------------- startup
