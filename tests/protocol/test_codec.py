@@ -380,3 +380,12 @@ def test_protocol_errors_name_the_message_and_the_place() -> None:
     assert "$[1][0][5]" in message
     with pytest.raises(ProtocolError, match=r"ADD \(EngineCoreRequest\)"):
         EngineCodec().decode_input([b"\x00", msgspec.msgpack.encode([1] * 9)])
+
+
+@pytest.mark.parametrize("shape", [[-1], [-1, 8], [8, -1], [2, 2], [True, 4]])
+def test_ndarray_shape_must_match_exactly(shape: list[Any]) -> None:
+    triple = ["<f4", shape, msgspec.msgpack.Ext(3, bytes(16 * 4))]
+    out = ["r", [1], [triple, triple, triple, None]]
+    main = msgspec.msgpack.encode([0, [out], None, 1.0])
+    with pytest.raises(ProtocolError):
+        ClientCodec().decode_outputs([main])

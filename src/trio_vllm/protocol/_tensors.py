@@ -209,7 +209,6 @@ def make_dec_hook(aux_holder: Any) -> Callable[[type, Any], Any]:
     with every step; anything unusual takes the careful path, which names the problem.
     """
     cache = _NUMPY_DTYPE_CACHE
-    prod = math.prod
     frombuffer = np.frombuffer
     ndarray = np.ndarray
 
@@ -219,8 +218,9 @@ def make_dec_hook(aux_holder: Any) -> Callable[[type, Any], Any]:
                 dtype, shape, data = obj
                 dt = cache[dtype]
                 buf = aux_holder._aux_in[data] if type(data) is int and data > 0 else data
-                nbytes = buf.nbytes if type(buf) is memoryview else len(buf)
-                if type(shape) is list and prod(shape) * dt.itemsize == nbytes:
+                # numpy checks the sizes (frombuffer: whole items; reshape: exact count,
+                # no negative dimension except a single -1, which we refuse here).
+                if type(shape) is list and -1 not in shape:
                     return frombuffer(buf, dtype=dt).reshape(shape)
             except Exception:  # the slow path names the problem
                 pass

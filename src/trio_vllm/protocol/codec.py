@@ -96,6 +96,12 @@ _EXT_CLOUDPICKLE: Final = 2
 _EXT_RAW_VIEW: Final = 3
 _DEAD: Final = EngineCoreDead()
 _TYPE_BYTES: Final = {t.value: t for t in RequestType}
+# Plain bytes of the request types (Enum.value is a slow property on the hot path).
+_ADD: Final = bytes(RequestType.ADD.value)
+_ABORT: Final = bytes(RequestType.ABORT.value)
+_UTILITY: Final = bytes(RequestType.UTILITY.value)
+_START_DP_WAVE: Final = bytes(RequestType.START_DP_WAVE.value)
+_NO_AUX: Final[list[memoryview]] = []
 
 
 _buf: Final = _tensors.as_buffer
@@ -481,7 +487,7 @@ class _CodecBase:
         self._layouts = _layouts_for(self.profile)
         self._aux_in: Sequence[Any] | None = None
         self._dec_hook = _tensors.make_dec_hook(self)
-        self._aux_out: list[memoryview] = []
+        self._aux_out: list[memoryview] = _NO_AUX
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
 
     # msgspec hooks -------------------------------------------------------------------
@@ -516,16 +522,16 @@ class _CodecBase:
     def _decoder(self, tp: Any) -> msgspec.msgpack.Decoder[Any]:
         return msgspec.msgpack.Decoder(tp, dec_hook=self._dec_hook, ext_hook=self._ext_hook)
 
-    def _encode(self, kind: RequestType | None, message: Any) -> list[OutgoingFrame]:
+    def _encode(self, kind: bytes | None, message: Any) -> list[OutgoingFrame]:
         aux: list[memoryview] = []
         self._aux_out = aux
         try:
             main = self._encoder.encode(message)
         finally:
-            self._aux_out = []
+            self._aux_out = _NO_AUX
         if kind is None:
-            return [main, *aux]
-        return [kind.value, main, *aux]
+            return [main, *aux] if aux else [main]
+        return [kind, main, *aux] if aux else [kind, main]
 
     def _fail(self, what: str, exc: BaseException) -> ProtocolError:
         if isinstance(exc, ProtocolError):
@@ -580,7 +586,7 @@ class ClientCodec(_CodecBase):
         if validate:
             validate_request(request, profile=self.profile)
         try:
-            return self._encode(RequestType.ADD, self._layouts.request(request))
+            return self._encode(_ADD, self._layouts.request(request))
         except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
             raise ValueError(f"request {request.request_id!r} cannot be encoded: {exc}") from exc
 
@@ -592,7 +598,7 @@ class ClientCodec(_CodecBase):
         for rid in ids:
             if not isinstance(rid, str):
                 raise TypeError(f"request ids must be str, got {type(rid).__name__}")
-        return self._encode(RequestType.ABORT, ids)
+        return self._encode(_ABORT, ids)
 
     def encode_utility(
         self,
@@ -631,7 +637,7 @@ class ClientCodec(_CodecBase):
             )
         wire_args = [self._utility_arg(a) for a in args]
         try:
-            return self._encode(RequestType.UTILITY, [client_index, call_id, method, wire_args])
+            return self._encode(_UTILITY, [client_index, call_id, method, wire_args])
         except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
             raise ValueError(f"utility {method!r} arguments cannot be encoded: {exc}") from exc
 
@@ -652,7 +658,7 @@ class ClientCodec(_CodecBase):
             raise ValueError(f"wave must be a non-negative int, got {wave!r}")
         if exclude_engine_index is not None and type(exclude_engine_index) is not int:
             raise ValueError("exclude_engine_index must be an int or None")
-        return self._encode(RequestType.START_DP_WAVE, [wave, exclude_engine_index])
+        return self._encode(_START_DP_WAVE, [wave, exclude_engine_index])
 
     # ---- decoding (engine -> client) ----------------------------------------------------
 
