@@ -199,8 +199,11 @@ async def test_death_faults_reach_every_operation(fault: str, count: int) -> Non
         client = engines.client
         rank = count - 1
         inflight, t0 = await _inject_and_wait(engines, fault, rank)
-        # kill/dead return before the engine acts: give the engine its 50 ms.
+        # kill/dead return before the engine acts: give the engine its 50 ms. On an
+        # oversubscribed machine wall-clock bounds measure the OS scheduler: 1 s there.
         bound = DEATH_BOUND_S if fault == "sigkill" else FRAME_BOUND_S
+        if _oversubscribed():
+            bound = max(bound, 1.0)
         delays = _assert_all_dead(inflight, t0, bound)
         print(
             f"{fault} x{count}: ms after injection",
