@@ -44,10 +44,12 @@ def _subtitle(result: dict[str, Any]) -> str:
 
 
 def plot_throughput(result: dict[str, Any], out: Path) -> Path:
-    runs = result["runs"]
-    fig, axes = plt.subplots(1, len(runs), figsize=(6.2 * len(runs), 4.8), squeeze=False)
-    for ax, run in zip(axes[0], runs, strict=True):
-        cases = run["cases"]
+    panels = [(run, mode) for mode in ("live", "backlog") for run in result["runs"] if mode in run]
+    cols = len(result["runs"])
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.9 * rows), squeeze=False)
+    for ax, (run, mode) in zip(axes.flat, panels, strict=False):
+        cases = run[mode]["cases"]
         ceiling = cases["a"]["outputs_per_s"]
         for key, (label, color, marker) in _CASE_STYLE.items():
             if key not in cases:
@@ -68,12 +70,13 @@ def plot_throughput(result: dict[str, Any], out: Path) -> Path:
         ax.set_ylim(bottom=0)
         ax.set_xlabel("requests in flight (a, b, c, e) / stream consumers (d)")
         ax.set_ylabel("outputs (tokens) per second")
-        ax.set_title(f"{run['batch']} output(s) per engine message")
+        how = "live: read while the engine sends" if mode == "live" else "backlog: drain"
+        ax.set_title(f"{run['batch']} output(s) per engine message - {how}", fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="lower left")
         ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    fig.suptitle("Firehose throughput, one run, same reference engine\n" + _subtitle(result),
-                 fontsize=10)  # fmt: skip
+    fig.suptitle("Firehose throughput, one run, the same reference engine for every case\n"
+                 + _subtitle(result), fontsize=10)  # fmt: skip
     fig.tight_layout()
     path = out / "throughput.png"
     fig.savefig(path, dpi=90)
@@ -111,12 +114,100 @@ def plot_latency(result: dict[str, Any], out: Path) -> Path:
     return path
 
 
+_NAMES = {
+    "a": "a: blocking pyzmq + decoder (ceiling)",
+    "b": "b: trio-vllm `get_output`, trio",
+    "b+": "b+: `get_output` + `get_output_nowait` drain, trio",
+    "c": "c: trio-vllm `get_output`, asyncio",
+    "e": "e: vLLM 0.32 `AsyncMPClient` (asyncio)",
+}
+
+
+def markdown(results: dict[str, dict[str, Any]]) -> str:
+    """Markdown tables of the figures (for docs/performance.md)."""
+    out: list[str] = []
+    fh = results.get("firehose")
+    if fh:
+        for run in fh["runs"]:
+            for mode in ("live", "backlog"):
+                if mode not in run:
+                    continue
+                res = run[mode]
+                what = "live" if mode == "live" else f"backlog ({res['backlog_s']:.1f} s pile-up)"
+                out.append(f"**{run['batch']} output(s) per message, {what}**\n")
+                out.append("| case | outputs/s | messages/s | vs a | client CPU us/msg |")
+                out.append("| --- | --: | --: | --: | --: |")
+                a = res["cases"]["a"]["outputs_per_s"]
+                for key, c in res["cases"].items():
+                    name = _NAMES.get(key) or f"d: streams, {c['consumers']} consumers, trio"
+                    out.append(
+                        f"| {name} | {c['outputs_per_s']:,.0f} | {c['messages_per_s']:,.0f} | "
+                        f"{c['outputs_per_s'] / a:.2f} | {c['cpu_us_per_message']:.1f} |"
+                    )
+                parts = [
+                    f"{k} {v:.2f} / {res['cpu_ratios'][k]:.2f}"
+                    for k, v in res["ratios"].items()
+                    if v is not None
+                ]
+                out.append("\nRatios (throughput / CPU capacity): " + ", ".join(parts) + "\n")
+    lat = results.get("latency")
+    if lat:
+        out.append("| backend | case | p50 us | p99 us | mean us |")
+        out.append("| --- | --- | --: | --: | --: |")
+        for run in lat["runs"]:
+            for key, c in run["cases"].items():
+                out.append(
+                    f"| {run['backend']} | {_LATENCY_STYLE[key][0]} | {c['p50_us']:.0f} | "
+                    f"{c['p99_us']:.0f} | {c['mean_us']:.0f} |"
+                )
+        for run in lat["runs"]:
+            parts = [f"{k} {v:.2f}" for k, v in run["ratios"].items()]
+            out.append(f"\n{run['backend']}: " + ", ".join(parts))
+        out.append("")
+    idle = results.get("idle")
+    if idle:
+        out.append(f"| case ({idle['seconds']:g} s, scaled to 5 s) | CPU ms per 5 s |")
+        out.append("| --- | --: |")
+        for name, ms in idle["cpu_ms_per_5s"].items():
+            out.append(f"| {name} | {ms:.2f} |")
+        out.append("")
+    st = results.get("startup")
+    if st:
+        out.append(
+            "| case | ready ms | overhead ms | shutdown ms | spawned ms | last event -> body ms |"
+        )
+        out.append("| --- | --: | --: | --: | --: | --: |")
+        for name, m in st["median"].items():
+            label = (
+                "engine alone (blocking frontend)" if name == "engine" else f"open_client, {name}"
+            )
+            cells = [m.get(k) for k in ("ready_ms", "overhead_ms", "shutdown_ms", "to_spawned_ms",
+                                        "last_event_to_body_ms")]  # fmt: skip
+            out.append(
+                f"| {label} | " + " | ".join("" if v is None else f"{v:.1f}" for v in cells) + " |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--firehose", type=Path, help="JSON of `trio-vllm bench firehose`")
     parser.add_argument("--latency", type=Path, help="JSON of `trio-vllm bench latency`")
+    parser.add_argument("--idle", type=Path, help="JSON of `trio-vllm bench idle`")
+    parser.add_argument("--startup", type=Path, help="JSON of `trio-vllm bench startup`")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--markdown", action="store_true",
+                        help="print markdown tables of the figures instead of charts")  # fmt: skip
     args = parser.parse_args()
+    if args.markdown:
+        results = {
+            name: json.loads(path.read_text())
+            for name in ("firehose", "latency", "idle", "startup")
+            if (path := getattr(args, name)) is not None
+        }
+        print(markdown(results))
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     if args.firehose:
         print(plot_throughput(json.loads(args.firehose.read_text()), args.out))

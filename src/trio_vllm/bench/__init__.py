@@ -56,9 +56,10 @@ def add_bench_parser(commands: Any) -> None:
     fh.add_argument(
         "--messages",
         type=int,
-        default=30000,
+        default=None,
         metavar="M",
-        help="engine messages per case (outputs = M x batch; default 30000)",
+        help="engine messages per case (outputs = M x batch; default 60000 / batch, "
+        "at least 20000)",
     )
     fh.add_argument(
         "--requests",

@@ -331,7 +331,7 @@ def run(args: Any) -> int:
     results = [
         run_one_batch(
             b,
-            messages=args.messages,
+            messages=args.messages or max(20000, 60000 // b),
             requests=args.requests,
             consumers=consumers,
             vllm_python=args.vllm_python,
