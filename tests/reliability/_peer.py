@@ -131,7 +131,7 @@ class Peer:
         """Handshake through ``source``'s address, then record input until cancelled."""
         await source.address_known.wait()
         assert source.handshake_address is not None
-        ident = {zmq.IDENTITY: self.identity}
+        ident: dict[int, int | bytes | str] = {zmq.IDENTITY: self.identity}
         with (
             AsyncSocket.create(self.context, zmq.DEALER, options=ident, linger=2000) as hs,
             AsyncSocket.create(self.context, zmq.DEALER, options=ident, linger=0) as inp,

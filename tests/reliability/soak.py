@@ -33,12 +33,15 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from trio_vllm import EngineCoreClient, make_request
 from trio_vllm.testing import assert_no_inflight_requests, open_reference_engines
+
+if TYPE_CHECKING:
+    from anyio.streams.memory import MemoryObjectSendStream
 
 OUTCOMES = ("completed", "broke", "cancelled", "raw_completed", "raw_aborted", "add_cancelled")
 
@@ -97,7 +100,7 @@ class _RawRouter:
 
     def __init__(self, client: EngineCoreClient) -> None:
         self.client = client
-        self.waiters: dict[str, anyio.abc.ObjectSendStream[Any]] = {}
+        self.waiters: dict[str, MemoryObjectSendStream[Any]] = {}
 
     async def run(self) -> None:
         while True:
