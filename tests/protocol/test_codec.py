@@ -389,3 +389,14 @@ def test_ndarray_shape_must_match_exactly(shape: list[Any]) -> None:
     main = msgspec.msgpack.encode([0, [out], None, 1.0])
     with pytest.raises(ProtocolError):
         ClientCodec().decode_outputs([main])
+
+
+def test_tensor_field_with_numpy_dtype_label_is_accepted() -> None:
+    triple = ["<f4", [2], msgspec.msgpack.Ext(3, np.array([1.5, 2.5], np.float32).tobytes())]
+    out = ["r", [], None, None, triple]
+    back = ClientCodec().decode_outputs([msgspec.msgpack.encode([0, [out], None, 1.0])])
+    assert isinstance(back, EngineCoreOutputs)
+    pooled = back.outputs[0].pooling_output
+    assert isinstance(pooled, torch.Tensor)
+    assert pooled.dtype == torch.float32
+    assert pooled.tolist() == [1.5, 2.5]

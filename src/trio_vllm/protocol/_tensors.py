@@ -327,6 +327,8 @@ def decode_tensor(obj: Any, aux: Sequence[Any] | None) -> Any:
     """Decode a torch-layout triple: torch tensor, else ndarray, else :class:`RawTensor`."""
     dtype, shape, data = _check_triple(obj)
     buf = resolve_buffer(data, aux)
+    # Be lenient on receipt: a peer may label a tensor field with a numpy dtype string.
+    dtype = _NUMPY_TO_TORCH.get(dtype, dtype)
     torch = _get_torch()
     if torch is not None:
         return _torch_from_buffer(torch, dtype, shape, buf)
