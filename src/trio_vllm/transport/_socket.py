@@ -47,13 +47,13 @@ __all__ = [
     "wait_tracker",
 ]
 
-InFrame: TypeAlias = "bytes | zmq.Frame"
+InFrame: TypeAlias = bytes | zmq.Frame
 """A received frame: ``bytes``, or a zero-copy ``zmq.Frame`` for a large frame."""
 
-OutFrame: TypeAlias = "bytes | bytearray | memoryview | zmq.Frame"
+OutFrame: TypeAlias = bytes | bytearray | memoryview | zmq.Frame
 """Anything that can be sent as one frame (any object with the buffer protocol)."""
 
-OptionValue: TypeAlias = "int | bytes | str"
+OptionValue: TypeAlias = int | bytes | str
 
 DEFAULT_COPY_THRESHOLD: Final = 65536
 """Frames (after the first of a message) at least this large are received zero-copy.
