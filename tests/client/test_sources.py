@@ -103,6 +103,16 @@ async def test_external_engines_timeout_explains_how_to_start_them() -> None:
     assert f"--data-parallel-rpc-port {port}" in message
 
 
+async def test_handshake_port_in_use_is_a_startup_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(EngineStartupError, match=f"cannot bind the handshake socket .*{port}"):
+            async with open_client(ExternalEngines(f"tcp://127.0.0.1:{port}"), ready_timeout=5):
+                pytest.fail("must not start")
+
+
 def test_external_engines_wildcard_needs_advertise_host() -> None:
     with pytest.raises(ValueError, match="advertise_host"):
         ExternalEngines("tcp://0.0.0.0:29550").layout()

@@ -951,20 +951,16 @@ async def open_client(
         handshake_socket = AsyncSocket.create(context, zmq.ROUTER, options=unbounded)
         sockets.append(handshake_socket)
         if layout.data_host is None:
-            input_address = input_socket.bind(ipc_dir.endpoint("input"))
-            output_address = output_socket.bind(ipc_dir.endpoint("output"))
+            input_address = _bind(input_socket, ipc_dir.endpoint("input"), "input")
+            output_address = _bind(output_socket, ipc_dir.endpoint("output"), "output")
         else:
-            bind_host = layout.data_bind_host or layout.data_host
-            input_address = _advertised(
-                input_socket.bind(tcp_endpoint(bind_host, 0)), layout.data_host
-            )
-            output_address = _advertised(
-                output_socket.bind(tcp_endpoint(bind_host, 0)), layout.data_host
-            )
+            bind = tcp_endpoint(layout.data_bind_host or layout.data_host, 0)
+            input_address = _advertised(_bind(input_socket, bind, "input"), layout.data_host)
+            output_address = _advertised(_bind(output_socket, bind, "output"), layout.data_host)
         if layout.handshake_bind is None:
-            handshake_address = handshake_socket.bind(ipc_dir.endpoint("handshake"))
+            handshake_address = _bind(handshake_socket, ipc_dir.endpoint("handshake"), "handshake")
         else:
-            handshake_address = handshake_socket.bind(layout.handshake_bind)
+            handshake_address = _bind(handshake_socket, layout.handshake_bind, "handshake")
             if layout.data_host is not None:
                 handshake_address = _advertised(handshake_address, layout.data_host)
         startup = _Startup(
@@ -1071,6 +1067,16 @@ async def _stop_processes(processes: Sequence[EngineProcess], grace: float) -> N
         async with anyio.create_task_group() as tg:
             for process in processes:
                 tg.start_soon(process.stop, grace)
+
+
+def _bind(socket: AsyncSocket, endpoint: str, what: str) -> str:
+    try:
+        return socket.bind(endpoint)
+    except (zmq.ZMQError, OSError) as exc:
+        raise EngineStartupError(
+            f"cannot bind the {what} socket at {endpoint}: {exc}. Is the address local to "
+            "this machine and the port free?"
+        ) from exc
 
 
 def _advertised(endpoint: str, host: str) -> str:
