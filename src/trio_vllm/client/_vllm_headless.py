@@ -11,7 +11,24 @@ only by name at run time.
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
+import threading
+import time
+
+
+def _stop_when_orphaned() -> None:
+    """SIGTERM ourselves (the launcher stops its engines on it) once the client that
+    spawned us is gone: normally it stops us, but not if it was killed outright."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="trio-vllm-orphan-watch", daemon=True).start()
 
 
 def main() -> None:
@@ -23,6 +40,7 @@ def main() -> None:
     args = parser.parse_args(sys.argv[1:])
     args.headless = True
     args.api_server_count = args.api_server_count or 1
+    _stop_when_orphaned()
     serve.run_headless(args)
 
 
