@@ -15,6 +15,8 @@ Cases:
   minimum (look up the frame, ``np.frombuffer``, reshape), as vLLM's decoder does.
 
 Prints per-call times and ``ratio = ours / ceiling`` (lower is better; 1.0 = no overhead).
+Times are this process's CPU time (``time.process_time``), best of several interleaved
+rounds, so other load on a shared machine skews them less than wall-clock time would.
 ``--json`` prints the same figures as JSON. Not a test: nothing here asserts.
 
     python bench/bench_codec.py [--json] [--rounds N]
@@ -49,18 +51,18 @@ def _best_per_call(fn: Callable[[], object], *, rounds: int, target_s: float = 0
     """Best per-call seconds over ``rounds`` rounds of a calibrated loop."""
     n = 1
     while True:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for _ in range(n):
             fn()
-        if time.perf_counter() - t0 >= target_s / 5 or n >= 1 << 20:
+        if time.process_time() - t0 >= target_s / 5 or n >= 1 << 20:
             break
         n *= 2
     best = float("inf")
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for _ in range(n):
             fn()
-        best = min(best, (time.perf_counter() - t0) / n)
+        best = min(best, (time.process_time() - t0) / n)
     return best
 
 
