@@ -24,6 +24,9 @@ def require_vectors() -> Path:
 def vector_params() -> list[object]:
     """One pytest param per vector file of every release (empty if the folder is absent)."""
     params: list[object] = []
+    if not VECTORS_ROOT.is_dir():
+        reason = f"wire vectors not found at {VECTORS_ROOT} (CI provides ../shared)"
+        return [pytest.param(None, id="no-vectors", marks=pytest.mark.skip(reason=reason))]
     for release in RELEASES:
         d = vector_dir(release)
         if not d.is_dir():
