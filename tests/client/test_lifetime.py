@@ -39,10 +39,16 @@ def live_tasks() -> int:
     return count
 
 
+def os_threads() -> int:
+    """Threads of this process as the kernel sees them (includes ZeroMQ's I/O threads)."""
+    return len(os.listdir("/proc/self/task"))
+
+
 @dataclass
 class Snapshot:
     tasks: int
     threads: set[str]
+    os_threads: int
     fds: set[int]
     children: set[int]
 
@@ -53,12 +59,13 @@ class Snapshot:
             await anyio.sleep(0.02)
             if not any(name.startswith("waitpid") for name in thread_names()):
                 break
-        return cls(live_tasks(), thread_names(), open_fds(), child_pids())
+        return cls(live_tasks(), thread_names(), os_threads(), open_fds(), child_pids())
 
     async def assert_nothing_left(self, pids: list[int], ipc_paths: list[str]) -> None:
         after = await Snapshot.take()
         assert after.tasks == self.tasks, "a task outlived open_client"
         assert after.threads <= self.threads, f"threads left: {after.threads - self.threads}"
+        assert after.os_threads <= self.os_threads, "a native thread (ZeroMQ I/O?) is left"
         assert after.fds <= self.fds, f"fds left: {sorted(after.fds - self.fds)}"
         assert after.children <= self.children, f"children left: {after.children}"
         for pid in pids:
