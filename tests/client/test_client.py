@@ -180,6 +180,8 @@ async def test_raw_api_add_get_abort() -> None:
         ids = [new_request_id("raw") for _ in range(3)]
         for i, rid in enumerate(ids):
             await client.add_request(make_request([10 + i], max_tokens=5, request_id=rid))
+        with pytest.raises(anyio.WouldBlock):
+            client.get_output_nowait()  # nothing can be there yet: no checkpoint passed
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         finished: set[str] = set()
         with anyio.fail_after(10):
@@ -196,6 +198,15 @@ async def test_raw_api_add_get_abort() -> None:
         await client.add_request(make_request([1], max_tokens=1500, request_id=rid))
         await client.abort_requests([rid])
         assert client.live_requests == []
+
+
+def test_ready_timeout_default_follows_vllm_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trio_vllm.client._client import DEFAULT_READY_TIMEOUT, _default_ready_timeout
+
+    monkeypatch.delenv("VLLM_ENGINE_READY_TIMEOUT_S", raising=False)
+    assert _default_ready_timeout() == DEFAULT_READY_TIMEOUT == 600
+    monkeypatch.setenv("VLLM_ENGINE_READY_TIMEOUT_S", "42.5")
+    assert _default_ready_timeout() == 42.5
 
 
 async def test_utilities() -> None:

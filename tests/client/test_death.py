@@ -127,6 +127,10 @@ async def test_death_before_any_request_is_noticed() -> None:
         print(f"death noticed {delay * 1000:.1f} ms after the exit, no request sent")
         assert delay < PROMPT_S
         assert error.rank == 0
+        again = client.dead_error()
+        assert isinstance(again, EngineDeadError)
+        assert again is not error  # a fresh instance per raise
+        assert str(again) == str(error)
         await _assert_every_call_raises(client)
         # The dead engine was reaped right away: not a zombie child of ours.
         assert pid not in child_pids()
