@@ -260,9 +260,15 @@ def _run_cases(
         cases[key] = anyio.run(run_streams, batch, n, per_stream, backlog, backend="trio")
         cases[key]["consumers"] = n
         note(key)
+    errors: dict[str, str] = {}
     if vllm_python:
-        cases["e"] = run_vllm(vllm_python, batch, requests, tokens, backlog)
-        note("e")
+        try:
+            cases["e"] = run_vllm(vllm_python, batch, requests, tokens, backlog)
+            note("e")
+        except (RuntimeError, OSError) as exc:
+            # The other cases stand on their own; say why e is missing.
+            errors["e"] = str(exc)
+            print(f"  [{batch}/msg, {mode}] vLLM case failed: {exc}", file=sys.stderr)
 
     def r(num: str, den: str) -> float | None:
         n, d = cases.get(num), cases.get(den)
@@ -283,6 +289,7 @@ def _run_cases(
         "cases": cases,
         "ratios": {f"{x}/{y}": r(x, y) for x, y in pairs},
         "cpu_ratios": {f"{x}/{y}": cap(x, y) for x, y in pairs},
+        "errors": errors,
     }
 
 
@@ -384,4 +391,6 @@ def _table(table: list[str], batch_result: dict[str, Any], mode: str) -> None:
             mark = "" if target is None else (" ok" if value >= target else f" < {target}")
             parts.append(f"{key} {fmt(value, '.2f')}{mark}")
         table.append(f"  {title} ratios: " + ", ".join(parts))
+    for key, why in res.get("errors", {}).items():
+        table.append(f"  case {key} failed: {why.splitlines()[0] if why else '?'}")
     table.append("")
