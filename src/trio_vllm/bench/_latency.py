@@ -99,7 +99,7 @@ def run(args: Any) -> int:
             entry: dict[str, Any] = {"backend": backend, "cases": cases, "ratios": ratios}
             if args.samples:
                 entry["samples_us"] = {
-                    k: [round(x * 1e6, 1) for x in v] for k, v in samples.items()
+                    k: [round(x * 1e6) for x in v] for k, v in samples.items()
                 }
             runs.append(entry)
     report = {
