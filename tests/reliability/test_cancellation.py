@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     from trio_vllm import EngineCoreClient
-    from trio_vllm.testing import ReferenceEngineSet
+    from trio_vllm.testing import CancellationReport, ReferenceEngineSet
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -47,12 +47,30 @@ def _child_pids() -> set[int]:
     return pids
 
 
-def _check_every_run(report: Any, *, min_checkpoints: int = 1) -> None:
+async def _sweep(
+    scenario: Callable[[], Awaitable[object]], *, min_checkpoints: int = 1, **options: Any
+) -> CancellationReport:
+    """Cancel ``scenario`` at every checkpoint k = 1, 2, ... until a run completes
+    uncancelled, and assert every run kept the invariants.
+
+    ``check_cancellation`` covers the checkpoints its first, uncancelled run counted;
+    timing can give later runs more, so the sweep goes on past that count until a run
+    ends before its k-th checkpoint.
+    """
+    report = await check_cancellation(scenario, **options)
     report.assert_ok()
     assert report.checkpoints >= min_checkpoints, report
     # Every checkpoint the first run saw got its own cancelled run.
     assert [r.checkpoint for r in report.runs] == [None, *range(1, report.checkpoints + 1)]
     assert any(r.outcome == "cancelled" for r in report.runs[1:]), report
+    k = report.checkpoints
+    while report.runs[-1].cancel_requested:
+        k += 1
+        assert k <= report.checkpoints + 20, f"no uncancelled run up to checkpoint {k}"
+        more = await check_cancellation(scenario, checkpoints=[k], **options)
+        more.assert_ok()
+        report.runs.append(more.runs[-1])
+    return report
 
 
 # ---------------------------------------------------------------------- open_client
@@ -87,9 +105,8 @@ async def test_open_client_cancelled_at_every_checkpoint() -> None:
                 path = address.removeprefix("ipc://")
                 assert not Path(path).exists(), f"ipc socket file {path} left behind"
 
-    report = await check_cancellation(scenario, checks=[nothing_left], settle=2.0)
-    print(f"open_client: {report.checkpoints} checkpoints")
-    _check_every_run(report, min_checkpoints=3)
+    report = await _sweep(scenario, checks=[nothing_left], settle=2.0, min_checkpoints=3)
+    print(f"open_client: {report.checkpoints} checkpoints, swept k = 1..{len(report.runs) - 1}")
 
 
 # ---------------------------------------------------------------------- requests
@@ -111,11 +128,10 @@ async def test_generate_and_iteration(reference_engines: ReferenceEngineSet) -> 
         if run.outcome == "returned":
             assert tokens.pop() == [3, 4, 5, 3, 4, 5]
 
-    report = await check_cancellation(
-        scenario, engines=reference_engines, checks=[complete_when_returned]
+    report = await _sweep(
+        scenario, engines=reference_engines, checks=[complete_when_returned], min_checkpoints=4
     )
-    print(f"generate: {report.checkpoints} checkpoints")
-    _check_every_run(report, min_checkpoints=4)
+    print(f"generate: {report.checkpoints} checkpoints, swept k = 1..{len(report.runs) - 1}")
 
 
 @pytest.mark.reference_engines(**ENGINES)
@@ -131,8 +147,7 @@ async def test_generate_long_request_is_aborted_on_the_engine(
             for _ in range(5):
                 await stream.receive()
 
-    report = await check_cancellation(scenario, engines=reference_engines)
-    _check_every_run(report, min_checkpoints=4)
+    await _sweep(scenario, engines=reference_engines, min_checkpoints=4)
 
 
 @pytest.mark.reference_engines(**ENGINES)
@@ -161,8 +176,7 @@ async def test_add_request_and_get_output(reference_engines: ReferenceEngineSet)
                 with anyio.CancelScope(shield=True):
                     await client.abort_requests([rid])
 
-    report = await check_cancellation(scenario, engines=reference_engines)
-    _check_every_run(report, min_checkpoints=3)
+    await _sweep(scenario, engines=reference_engines, min_checkpoints=3)
     _drain(client)
 
 
@@ -206,10 +220,7 @@ async def test_get_output_cancelled_consumes_nothing(
         await queue_marker()  # for the next run
 
     await queue_marker()
-    report = await check_cancellation(
-        scenario, engines=reference_engines, checks=[still_queued_if_cancelled]
-    )
-    _check_every_run(report)
+    await _sweep(scenario, engines=reference_engines, checks=[still_queued_if_cancelled])
     _drain(client)
 
 
@@ -223,8 +234,7 @@ async def test_call_utility(reference_engines: ReferenceEngineSet) -> None:
     async def scenario() -> None:
         assert "generate" in await client.call_utility("get_supported_tasks")
 
-    report = await check_cancellation(scenario, engines=reference_engines)
-    _check_every_run(report, min_checkpoints=2)
+    await _sweep(scenario, engines=reference_engines, min_checkpoints=2)
     # Late replies of cancelled calls were dropped; the client still matches replies.
     assert await client.call_utility("collective_rpc", "echo", None, ["after"], None) == [["after"]]
 
@@ -241,8 +251,7 @@ async def test_slow_utility_cancelled_while_waiting(
     async def scenario() -> None:
         assert "generate" in await client.call_utility("get_supported_tasks")
 
-    report = await check_cancellation(scenario, engines=reference_engines)
-    _check_every_run(report, min_checkpoints=2)
+    await _sweep(scenario, engines=reference_engines, min_checkpoints=2)
     await reference_engines.control().delay_outputs(0)
     await anyio.sleep(0.1)
     assert client.pending_utility_calls == 0
@@ -297,9 +306,10 @@ async def test_every_named_utility(count: int) -> None:
                 except UtilityCallError:
                     refused.add(name)  # the engine refused it: still a complete call
 
-            report = await check_cancellation(scenario, engines=engines, settle=1.0)
-            if not report.ok or report.checkpoints < 1:
-                problems.append(f"{name}:\n{report}")
+            try:
+                await _sweep(scenario, engines=engines, settle=1.0)
+            except AssertionError as exc:
+                problems.append(f"{name}:\n{exc}")
             # Restore the engines' state for the next utility.
             await client.wake_up()
             await client.resume_scheduler()
@@ -329,8 +339,7 @@ async def test_dp_generate_on_each_rank(reference_engines: ReferenceEngineSet) -
 
                 tg.start_soon(one)
 
-    report = await check_cancellation(scenario, engines=reference_engines)
-    _check_every_run(report)
+    await _sweep(scenario, engines=reference_engines)
 
 
 @pytest.mark.reference_engines(**ENGINES, count=2)
@@ -343,8 +352,7 @@ async def test_dp_call_utility_all_and_routing(reference_engines: ReferenceEngin
         async with client.generate(request) as stream:
             assert await stream.collect() == [2, 2, 2]
 
-    report = await check_cancellation(scenario, engines=reference_engines)
-    _check_every_run(report, min_checkpoints=3)
+    await _sweep(scenario, engines=reference_engines, min_checkpoints=3)
     # The load counts used for routing came back to zero: requests alternate ranks.
     ranks = []
     for _ in range(4):
