@@ -196,8 +196,8 @@ def test_firehose_never_blocks_the_engine(spawn) -> None:  # type: ignore[no-unt
     while True:
         assert time.monotonic() < deadline, "the firehose never stopped"
         ping = fe.control("ping")
-        assert ping["firehose"] == 1
-        if ping["steps"] == steps:
+        # (The control socket can answer before the engine has read the ADD.)
+        if ping["firehose"] == 1 and ping["steps"] == steps:
             break
         steps = ping["steps"]
         time.sleep(0.5)

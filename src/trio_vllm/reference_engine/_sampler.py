@@ -49,6 +49,9 @@ class SamplingState:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    def __post_init__(self) -> None:
+        self.is_plain = self.plain
+
     @property
     def plain(self) -> bool:
         """Greedy with nothing that changes logits and no logprobs: argmax of raw logits."""
@@ -167,7 +170,7 @@ def sample_rows(
     results: list[Sampled] = []
     for row, state in enumerate(states):
         raw = logits[row]
-        if state.plain:
+        if state.is_plain:
             results.append(Sampled(int(np.argmax(raw))))
             continue
         x = _process(raw, state, prompts[row], outputs[row])

@@ -124,7 +124,7 @@ class EngineRequest:
         return len(self.seq.token_ids)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class OutputRecord:
     """One EngineCoreOutput, before it is turned into the protocol struct."""
 
@@ -503,19 +503,19 @@ class Scheduler:
         states = [r.sampling or SamplingState(temperature=0.0) for r in rows]
         sampled: list[Sampled]
         fast = None
-        if all(s.plain for s in states):
+        if all(s.is_plain for s in states):
             fast = self.model.greedy_next_tokens([r.seq for r in rows])
         if fast is not None:
-            sampled = [Sampled(t) for t in fast]
-        else:
-            logits = self.model.next_token_logits([r.seq for r in rows])
-            sampled = sample_rows(
-                logits,
-                states,
-                [r.seq.token_ids[: r.num_prompt_tokens] for r in rows],
-                [r.output_token_ids for r in rows],
-                self.rng,
-            )
+            self._emit_plain(rows, fast, per_client)
+            return
+        logits = self.model.next_token_logits([r.seq for r in rows])
+        sampled = sample_rows(
+            logits,
+            states,
+            [r.seq.token_ids[: r.num_prompt_tokens] for r in rows],
+            [r.output_token_ids for r in rows],
+            self.rng,
+        )
         for req, s in zip(rows, sampled, strict=True):
             req.output_token_ids.append(s.token_id)
             req.seq.token_ids.append(s.token_id)
@@ -538,6 +538,30 @@ class Scheduler:
             if stopped:
                 self._free(req)
             per_client.setdefault(req.client_index, ClientBatch()).outputs.append(record)
+
+    def _emit_plain(
+        self, rows: list[EngineRequest], tokens: list[int], per_client: dict[int, ClientBatch]
+    ) -> None:
+        """The hot path: one greedy token per row, no logprobs (same result as above)."""
+        for req, token in zip(rows, tokens, strict=True):
+            req.output_token_ids.append(token)
+            req.seq.token_ids.append(token)
+            stopped = self._check_stop(req)
+            record = OutputRecord(req.request_id, [token], None, None, None, None, None,
+                                  None, None, req.trace_headers)
+            if stopped:
+                record.finish_reason = int(req.finished) if req.finished is not None else None
+                record.stop_reason = req.stop_reason
+            if not req.first_output_sent:
+                self._first_output_extras(req, record)
+            if req.events:
+                record.events, req.events = req.events, []
+            if stopped:
+                self._free(req)
+            batch = per_client.get(req.client_index)
+            if batch is None:
+                batch = per_client[req.client_index] = ClientBatch()
+            batch.outputs.append(record)
 
     def make_stats(self) -> dict[str, Any]:
         """The values of one SchedulerStats; per-step deltas for the prefix-cache counters."""
