@@ -7,9 +7,11 @@ end against real engine processes and report figures that are consistent.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,10 +32,31 @@ def bench(*args: str, timeout: float = 110) -> dict[str, Any]:
     return result
 
 
+PLOTS = Path(__file__).parents[2] / "bench" / "plots.py"
+
+
+def load_plots() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_plots", PLOTS)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    assert 10_000 < len(data) < 400_000  # a real chart, and small enough to commit
+
+
 @pytest.mark.timeout(240)
-def test_firehose() -> None:
+def test_firehose(tmp_path: Path) -> None:
     result = bench("firehose", "--batch", "3", "--messages", "60", "--requests", "2",
                    "--consumers", "4", timeout=230)  # fmt: skip
+    plots = load_plots()
+    check_png(plots.plot_throughput(result, tmp_path))
+    assert "| a: blocking pyzmq + decoder (ceiling) |" in plots.markdown({"firehose": result})
     assert result["bench"] == "firehose"
     (run,) = result["runs"]
     assert run["batch"] == 3
@@ -66,8 +89,9 @@ def test_firehose() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_latency() -> None:
+def test_latency(tmp_path: Path) -> None:
     result = bench("latency", "--rounds", "20", "--samples")
+    check_png(load_plots().plot_latency(result, tmp_path))
     assert [r["backend"] for r in result["runs"]] == ["trio", "asyncio"]
     for run in result["runs"]:
         for case in ("raw", "stream", "get_output"):
