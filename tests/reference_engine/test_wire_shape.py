@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 
-from trio_vllm.protocol import EngineCoreOutputs, profile_for_version
+from trio_vllm.protocol import EngineCoreOutputs, PoolingParams, profile_for_version
 
 from ._harness import request
 
@@ -56,6 +57,15 @@ def test_handshake_and_frames_per_protocol(spawn, protocol: str) -> None:  # typ
     assert all(m.outputs[0].request_id == rid for m in decoded)  # type: ignore[union-attr]
     failure, value = fe.call("is_sleeping")
     assert (failure, value) == (None, False)
+    # Tensors and arrays (logprobs, prompt logprobs, pooling) decode in every layout.
+    r = fe.generate(request(PROMPT, max_tokens=2, logprobs=3, prompt_logprobs=2))
+    first = r.outputs[0]
+    assert first.new_logprobs is not None
+    assert np.asarray(first.new_logprobs.logprob_token_ids).shape == (1, 4)
+    assert first.new_prompt_logprobs_tensors is not None
+    assert np.asarray(first.new_prompt_logprobs_tensors.logprobs).shape == (4, 3)
+    pooled = fe.generate(request(PROMPT, pooling_params=PoolingParams(task="token_embed")))
+    assert np.asarray(pooled.outputs[0].pooling_output).shape == (5, 64)
 
 
 def test_message_shape_matches_stock_vllm(spawn) -> None:  # type: ignore[no-untyped-def]
