@@ -206,3 +206,14 @@ def test_firehose_never_blocks_the_engine(spawn) -> None:  # type: ignore[no-unt
     assert fe.wait_exit(5) == 0
     # ~0.5 s of bounded flush and linger for the undeliverable tail; slack for load.
     assert time.monotonic() - t0 < 2.0
+
+
+@pytest.mark.parametrize(("protocol", "expected"), [("0.32.0", []), ("0.33.0", [(0, None)])])
+def test_moe_rank1_wave_reports(spawn, protocol: str, expected: list[tuple[int, int]]) -> None:  # type: ignore[no-untyped-def]
+    fe = spawn(["--data-parallel-size", "2", "--moe"], coordinator=True, index=1,
+               protocol=protocol)
+    rid = fe.add(request(PROMPT, max_tokens=2))
+    assert fe.collect([rid])[rid].tokens == PROMPT[:2]
+    # Only rank 0 reports wave_complete with a coordinator; in 0.33 an idle rank that
+    # gets a request asks for a wave itself.
+    assert _waves(_coord_until_quiet(fe)) == expected

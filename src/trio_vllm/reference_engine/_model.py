@@ -261,7 +261,8 @@ class TinyModel:
         with torch.inference_mode():
             x, lengths = self._inputs(seqs)
             hidden = self._forward(x)
-            last = hidden[torch.arange(len(seqs)), torch.tensor(lengths) - 1]
+            rows = torch.arange(len(seqs), device=self.device)
+            last = hidden[rows, torch.tensor(lengths, device=self.device) - 1]
             logits = last @ self._params["lm_head"]  # type: ignore[index]
             return logits.float().cpu().numpy()  # type: ignore[no-any-return]
 

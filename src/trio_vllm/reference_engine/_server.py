@@ -1009,7 +1009,8 @@ class EngineServer:
             ):
                 self.engines_running = True
                 self.wave_steps = 0
-                if self.rank == 0:
+                # 0.32: rank 0 reports idle -> running; 0.33: any idle rank that got work.
+                if self.rank == 0 or self.profile_name == "0.33.0":
                     self._request_wave()
             stepped = False
             if self.scheduler.has_schedulable():
