@@ -290,3 +290,25 @@ def test_help_documents_every_fault_flag() -> None:
                  "--fail-utility", "--output-delay-ms", "--control-address", "--firehose",
                  "--protocol", "--input-address", "--output-address", "--device"):
         assert flag in out
+
+
+def test_cuda_without_a_gpu_fails_startup(spawn) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("a GPU may be present; this checks the failure path")
+    fe = spawn(["--device", "cuda"], model="tiny", start=False)
+    fe._do_handshake = False
+    fe.start()
+    ident, _ = fe._recv(fe.handshake_sock, 30, "HELLO")
+    from trio_vllm.protocol import (
+        EngineHandshakeMetadata,
+        EngineZmqAddresses,
+        encode_handshake_metadata,
+    )
+
+    fe.handshake_sock.send_multipart([ident, encode_handshake_metadata(
+        EngineHandshakeMetadata(EngineZmqAddresses(fe.input_addrs, fe.output_addrs)))])
+    assert fe.wait_exit(30) == 1
+    assert "EngineCore failed to start." in fe.stderr()
+    assert not fe.inputs[0].poll(0)  # nothing was sent
