@@ -312,3 +312,14 @@ def test_cuda_without_a_gpu_fails_startup(spawn) -> None:  # type: ignore[no-unt
     assert fe.wait_exit(30) == 1
     assert "EngineCore failed to start." in fe.stderr()
     assert not fe.inputs[0].poll(0)  # nothing was sent
+
+
+def test_dead_frame_follows_delayed_outputs(spawn) -> None:  # type: ignore[no-untyped-def]
+    fe = spawn(["--output-delay-ms", "300", "--dead-after-steps", "2"])
+    rid = fe.add(request(PROMPT, max_tokens=100))
+    first, second, last = fe.recv(), fe.recv(), fe.recv()
+    assert isinstance(first, EngineCoreOutputs)
+    assert isinstance(second, EngineCoreOutputs)
+    assert [o.request_id for o in first.outputs + second.outputs] == [rid, rid]
+    assert isinstance(last, EngineCoreDead)
+    assert fe.wait_exit(10) == 1

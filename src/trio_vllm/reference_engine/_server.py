@@ -173,6 +173,12 @@ class EngineServer:
     def _die(self) -> int:
         """vLLM's fatal path: ENGINE_CORE_DEAD on every output socket, linger, exit 1."""
         if not self.output_dead:
+            # Outputs queued before the failure go first, as from vLLM's output queue.
+            while self.delayed:
+                _, sock, frames = self.delayed.popleft()
+                self.blocked.append((sock, frames))
+            with contextlib.suppress(zmq.ZMQError):
+                self._flush_blocked()
             for sock in self.outputs:
                 with contextlib.suppress(zmq.ZMQError):
                     sock.send(self.wire.dead_frame(), flags=zmq.NOBLOCK)
