@@ -8,6 +8,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trio_vllm import ProtocolError
 from trio_vllm.protocol.handshake import (
@@ -226,3 +228,38 @@ def test_constructor_validation() -> None:
         ClientHandshake([0, 0], inputs=INPUTS, outputs=OUTPUTS)
     with pytest.raises(ValueError, match="same length"):
         ClientHandshake([0], inputs=INPUTS, outputs=[])
+
+
+@given(st.data())
+@settings(max_examples=200, deadline=None)
+def test_any_valid_interleaving_completes_exactly_once(data: st.DataObject) -> None:
+    n = data.draw(st.integers(1, 5), label="engines")
+    start = data.draw(st.integers(0, 300), label="start rank")
+    ranks = list(range(start, start + n))
+    # Per rank: HELLO first, then READY and the ready response in either order.
+    queues = {
+        r: ["hello", *data.draw(st.permutations(["ready", "response"]), label=f"rank {r}")]
+        for r in ranks
+    }
+    hs = _machine(ranks, expect_headless=True)
+    replies: list[int] = []
+    completions = 0
+    remaining = sum(len(q) for q in queues.values())
+    while remaining:
+        rank = data.draw(st.sampled_from([r for r in ranks if queues[r]]), label="next")
+        kind = queues[rank].pop(0)
+        remaining -= 1
+        identity = identity_for_rank(rank)
+        if kind == "hello":
+            events = hs.receive_handshake(identity, HELLO)
+        elif kind == "ready":
+            events = hs.receive_handshake(identity, READY)
+        else:
+            events = hs.receive_input(identity, _response(rank))
+        replies += [e.rank for e in events if isinstance(e, SendInitMetadata)]
+        done = [e for e in events if isinstance(e, HandshakeComplete)]
+        completions += len(done)
+        assert bool(done) == (remaining == 0)
+    assert sorted(replies) == ranks
+    assert completions == 1
+    assert hs.state is HandshakeState.COMPLETE
