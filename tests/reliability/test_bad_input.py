@@ -224,3 +224,26 @@ def open_client_for(source: PeerEngines) -> Any:
     from trio_vllm import open_client
 
     return open_client(source, ready_timeout=10)
+
+
+async def test_duplicate_id_across_data_parallel_ranks_is_refused() -> None:
+    """A live id is refused on every rank, not just on the one serving it (the engines,
+    asked over their control sockets, hold only the first)."""
+    from trio_vllm.testing import open_reference_engines
+
+    async with open_reference_engines(
+        count=2, model="echo", extra_args=("--max-model-len", "1000000")
+    ) as engines:
+        client = engines.client
+        request = make_request([1], max_tokens=900_000, request_id="dp-dup")
+        with anyio.fail_after(10):
+            async with client.generate(request, rank=0) as stream:
+                await stream.receive()
+                for rank in (0, 1):
+                    with pytest.raises(ValueError, match="'dp-dup' is already live"):
+                        await client.add_request(request, rank=rank)
+                    with pytest.raises(ValueError, match="'dp-dup' is already live"):
+                        await _start(client, "generate", request)
+                statuses = await engines.statuses()
+                assert [s.requests for s in statuses] == [1, 0]
+            await engines.wait_idle(within=5)
