@@ -81,7 +81,8 @@ async def _sweep(
 # open_client has exited (client/_process.py spawn_engine_process; reported, see
 # docs/reliability.md "Known problems"). Re-enable asyncio once it is shielded there.
 @pytest.mark.parametrize("anyio_backend", ["trio"])
-async def test_open_client_cancelled_at_every_checkpoint() -> None:
+@pytest.mark.parametrize("count", [1, 2], ids=["1-engine", "dp2"])
+async def test_open_client_cancelled_at_every_checkpoint(count: int) -> None:
     """Cancelling ``open_client`` anywhere (startup, body, exit) leaves no task, no engine
     process (reaped, no zombie) and no ipc file; the client it yielded, if any, is
     closed (dead)."""
@@ -90,10 +91,10 @@ async def test_open_client_cancelled_at_every_checkpoint() -> None:
 
     async def scenario() -> None:
         async with open_client(
-            ReferenceEngines(model="echo"), ready_timeout=30, shutdown_grace=2
+            ReferenceEngines(count, model="echo"), ready_timeout=30, shutdown_grace=2
         ) as client:
             clients.append(client)
-            assert await client.get_supported_tasks()
+            assert len(await client.call_utility_all("get_supported_tasks")) == count
 
     def nothing_left(run: CheckpointRun) -> None:
         left = _child_pids() - children_before
