@@ -353,3 +353,17 @@ async def test_deferred_utility_reply_out_of_order() -> None:
         assert await client.is_scheduler_paused() is True
         await client.resume_scheduler()
         assert await client.is_scheduler_paused() is False
+
+
+@pytest.mark.parametrize(
+    "anyio_backend", [pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop")]
+)
+async def test_uvloop_smoke() -> None:
+    async with open_client(ReferenceEngines(model="echo"), ready_timeout=30) as client:
+        async with client.generate(make_request([1, 5, 7], max_tokens=6)) as stream:
+            assert await stream.collect() == [1, 5, 7, 1, 5, 7]
+        assert await echo(client, "uv") == [["uv"]]
+        with anyio.move_on_after(0.01):
+            async with client.generate(make_request([2], max_tokens=100_000 // 100)) as s:
+                await s.collect()
+        assert client.live_requests == []
