@@ -933,6 +933,8 @@ async def open_client(
     closed and the ipc directory is removed. Exceptions from the body propagate as
     they are (never wrapped in an exception group).
     """
+    if stream_buffer < 1:
+        raise ValueError(f"stream_buffer must be at least 1, got {stream_buffer}")
     timeout = _default_ready_timeout() if ready_timeout is None else ready_timeout
     layout = engines.layout()
     ranks = engines.ranks
