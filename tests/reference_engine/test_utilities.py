@@ -68,10 +68,12 @@ def test_simple_utilities(spawn, tmp_path) -> None:  # type: ignore[no-untyped-d
     assert failure.startswith("Call to reinitialize_distributed")
 
 
-def test_lora_bookkeeping(spawn) -> None:  # type: ignore[no-untyped-def]
-    fe = spawn(["--max-loras", "2"])
-    assert fe.ready_response.supports_lora is True
-    assert fe.ready_response.max_loras == 2
+@pytest.mark.parametrize("protocol", ["0.25.1", "0.32.0", "0.33.0"])
+def test_lora_bookkeeping(spawn, protocol: str) -> None:  # type: ignore[no-untyped-def]
+    fe = spawn(["--max-loras", "2"], protocol=protocol)
+    if protocol != "0.25.1":  # 0.25.1's ready response has no LoRA keys
+        assert fe.ready_response.supports_lora is True
+        assert fe.ready_response.max_loras == 2
     a = LoRARequest("a", 1, "/loras/a")
     b = LoRARequest("b", 2, "/loras/b")
     c = LoRARequest("c", 3, "/loras/c")

@@ -29,6 +29,7 @@ from ..protocol.structs import (
     HandshakeReady,
     LogprobsLists,
     LogprobsTensors,
+    LoRARequest,
     PrefillStats,
     PrefixCacheStats,
     RequestError,
@@ -106,6 +107,8 @@ class Wire:
     def convert_lora(self, value: Any) -> Any:
         from ._utilities import UtilityError
 
+        if isinstance(value, LoRARequest):
+            return value  # already decoded (a request's adapter)
         try:
             return self.codec.convert_lora_request(value)
         except ProtocolError as exc:
