@@ -66,6 +66,19 @@ def test_handshake_and_frames_per_protocol(spawn, protocol: str) -> None:  # typ
     assert np.asarray(first.new_prompt_logprobs_tensors.logprobs).shape == (4, 3)
     pooled = fe.generate(request(PROMPT, pooling_params=PoolingParams(task="token_embed")))
     assert np.asarray(pooled.outputs[0].pooling_output).shape == (5, 64)
+    embeds = np.zeros((20, 64), dtype=np.float32)  # 5 KiB: travels in an aux frame
+    embeds[:, 0] = np.arange(65, 85)
+    r = fe.generate(request(None, prompt_embeds=embeds, max_tokens=3))  # type: ignore[arg-type]
+    assert r.tokens == [65, 66, 67]
+    # A contained pre-processing error: ERROR, and in 0.33 a structured error.
+    rid = fe.add(request([1, 2, 999], max_tokens=2), validate=False)
+    err = fe.collect([rid])[rid]
+    assert err.finish_reason == 3
+    if protocol == "0.33.0":
+        assert err.outputs[-1].error is not None
+        assert err.outputs[-1].error.code == "validation_error"
+    else:
+        assert err.outputs[-1].error is None
 
 
 def test_message_shape_matches_stock_vllm(spawn) -> None:  # type: ignore[no-untyped-def]
