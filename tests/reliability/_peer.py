@@ -51,10 +51,10 @@ if TYPE_CHECKING:
 
 
 class PeerEngines(ReferenceEngines):
-    """An engine source for one in-process :class:`Peer` (nothing is spawned)."""
+    """An engine source for ``count`` in-process :class:`Peer` s (nothing is spawned)."""
 
-    def __init__(self) -> None:
-        super().__init__(1, model="echo")
+    def __init__(self, count: int = 1) -> None:
+        super().__init__(count, model="echo")
         self.handshake_address: str | None = None
         self.address_known = anyio.Event()
 
@@ -64,7 +64,7 @@ class PeerEngines(ReferenceEngines):
         return []
 
     def describe(self) -> str:
-        return "an in-process peer engine"
+        return f"{self.count} in-process peer engine(s)"
 
 
 class Peer:
@@ -198,3 +198,31 @@ async def peer_client(
             raise
     finally:
         peer.close()
+
+
+@contextlib.asynccontextmanager
+async def peers_client(
+    count: int, **client_options: Any
+) -> AsyncIterator[tuple[EngineCoreClient, list[Peer]]]:
+    """``open_client`` connected to ``count`` peers (data-parallel ranks 0 ..)."""
+    peers = [Peer(rank=rank) for rank in range(count)]
+    source = PeerEngines(count)
+    client_options.setdefault("ready_timeout", 10)
+    try:
+        try:
+            async with anyio.create_task_group() as tg:
+                for peer in peers:
+                    tg.start_soon(peer.serve, source)
+                async with open_client(source, **client_options) as client:
+                    with anyio.fail_after(5):
+                        for peer in peers:
+                            await peer.ready.wait()
+                    yield client, peers
+                tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+    finally:
+        for peer in peers:
+            peer.close()

@@ -44,7 +44,7 @@ from trio_vllm import (
 )
 from trio_vllm.protocol import UtilityCall
 
-from ._peer import Peer, peer_client
+from ._peer import Peer, peer_client, peers_client
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -81,6 +81,11 @@ class Broken:
 
     kind: str
     frames: tuple[bytes, ...]
+
+    def __repr__(self) -> str:
+        sizes = [len(f) for f in self.frames]
+        head = [f[:24] for f in self.frames]
+        return f"Broken({self.kind!r}, sizes={sizes}, head={head})"
 
 
 @dataclass(frozen=True)
@@ -336,3 +341,94 @@ async def test_memory_stays_bounded_under_useless_traffic() -> None:
         assert client.live_requests == []
         assert client.pending_utility_calls == 0
         assert growth < 256 * 1024, growth
+
+
+# ---------------------------------------------------------------------- two engines
+
+
+@dataclass(frozen=True)
+class FromRank:
+    """A message sent by the peer of ``rank``."""
+
+    rank: int
+    message: Valid | Broken
+
+
+def _encode_from(rank: int, message: Valid) -> list[bytes]:
+    frames = _encode(message)
+    body = msgspec.msgpack.decode(frames[0])
+    body[0] = rank  # engine_index: the sender's rank
+    return [msgspec.msgpack.encode(body), *frames[1:]]
+
+
+dp_messages = st.lists(
+    st.builds(FromRank, rank=st.integers(0, 1), message=st.one_of(valid, valid, broken())),
+    max_size=8,
+)
+
+
+@FUZZ
+@given(sequence=dp_messages)
+async def test_fuzzed_frames_from_two_engines(sequence: list[FromRank]) -> None:
+    """Two data-parallel peers, a stream on each rank: outputs are routed by request id
+    whichever engine sends them; valid traffic from both keeps the client alive with
+    exact delivery; a broken message from either kills it with a documented error."""
+    async with peers_client(2, stream_buffer=4) as (client, peers):
+        results: dict[str, Any] = {}
+
+        async def consume(rid: str, rank: int) -> None:
+            got: list[int] = []
+            try:
+                async with client.generate(make_request([1], request_id=rid), rank=rank) as s:
+                    async for out in s:
+                        got.extend(out.new_token_ids)
+                results[rid] = got
+            except EngineDeadError as exc:
+                results[rid] = exc
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume, "s0", 0)
+                tg.start_soon(consume, "s1", 1)
+                for peer in peers:
+                    await peer.wait_for(1)
+                expected = Expected()
+                broke = False
+                for item in sequence:
+                    peer = peers[item.rank]
+                    if isinstance(item.message, Valid):
+                        await peer.send_frames(_encode_from(item.rank, item.message))
+                        if not broke:
+                            expected.feed(item.message)
+                    else:
+                        await peer.send_frames(list(item.message.frames))
+                        broke = True
+                for peer in peers:
+                    closing = Valid(tuple((rid, (), 0) for rid in ("s0", "s1")))
+                    await peer.send_frames(_encode_from(peer.rank, closing))
+                    if not broke:
+                        expected.feed(closing)
+            # A round trip through each peer's connection: everything it sent before has
+            # been handled (or the client is dead).
+            for rank in (0, 1):
+                try:
+                    assert await client.call_utility("echo", "sync", rank=rank) == ["sync"]
+                except EngineDeadError:
+                    break
+        if client.dead:
+            error = await client.wait_dead()
+            assert error.__cause__ is None or isinstance(error.__cause__, ProtocolError)
+        else:
+            assert not broke, f"a broken message did not kill the client: {results}"
+            assert client.live_requests == []
+        for rid in ("s0", "s1"):
+            result = results[rid]
+            if isinstance(result, EngineDeadError):
+                assert client.dead
+            elif not broke:
+                assert result == expected.tokens[rid], rid
+            else:
+                # Two connections are not ordered with each other: a stream may have
+                # finished on the other engine's messages before the broken one arrived.
+                assert isinstance(result, list), result
+        event("client died" if client.dead else "client survived")
