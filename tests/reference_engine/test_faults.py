@@ -63,6 +63,12 @@ def test_stall_after_steps(spawn) -> None:  # type: ignore[no-untyped-def]
     assert fe.proc.poll() is None  # still alive, silent
     fe.send_raw(fe.codec.encode_utility(0, 1, "is_sleeping", []))
     assert fe.no_output(0.5)  # does not read input either
+    with open(f"/proc/{fe.proc.pid}/stat") as f:
+        ticks = sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
+    time.sleep(1.0)
+    with open(f"/proc/{fe.proc.pid}/stat") as f:
+        # ...and does not spin on the unread message meanwhile.
+        assert sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13]) - ticks < 20
     assert fe.control("ping")["stalled"] is True
     assert fe.control("unstall") == {"ok": True}
     failure, value = fe.wait_reply(1)
@@ -215,6 +221,12 @@ def test_undecodable_input_kills_the_input_thread(spawn) -> None:  # type: ignor
     # vLLM: the input thread dies silently; nothing is sent and the process stays up.
     assert fe.no_output(1.0)
     assert fe.proc.poll() is None
+    with open(f"/proc/{fe.proc.pid}/stat") as f:
+        ticks = sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
+    time.sleep(1.0)
+    with open(f"/proc/{fe.proc.pid}/stat") as f:
+        # No spinning on the messages it will never read.
+        assert sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13]) - ticks < 20
     assert "input thread died" in fe.stderr()
 
 

@@ -895,6 +895,9 @@ class EngineServer:
             self.stalled = True
             opts.stall_after_steps = None
 
+    def _input_dead_now(self) -> bool:
+        return self.input_dead  # a method: see _stalled_now
+
     def _stalled_now(self) -> bool:
         # A method, so type narrowing of ``self.stalled`` earlier in the loop does not
         # hide that a fault may have set it since.
@@ -967,6 +970,10 @@ class EngineServer:
         if self.control is not None:
             poller.register(self.control, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        stalled_poller = zmq.Poller()
+        if self.control is not None:
+            stalled_poller.register(self.control, zmq.POLLIN)
+        stalled_poller.register(self._wake_r, zmq.POLLIN)
         firehose_wait: zmq.Socket[bytes] | None = None
         while True:
             if self.shutdown_requested and not self.shutdown_handled:
@@ -994,7 +1001,9 @@ class EngineServer:
                 if want is not None:
                     poller.register(want, zmq.POLLOUT)
                 firehose_wait = want
-            events = dict(poller.poll(timeout))
+            # Stalled, the input sockets stay unread; polling them would spin on their
+            # pending messages, so only the control socket and signals are watched.
+            events = dict((stalled_poller if self.stalled else poller).poll(timeout))
             if self._wake_r.fileno() in events or self._wake_r in events:
                 self._drain_wake()
             if self.control is not None and self.control in events:
@@ -1005,6 +1014,11 @@ class EngineServer:
                 continue
             if not self.input_dead:
                 self._drain_inputs(events)
+                if self._input_dead_now():
+                    # Never read again, so never wait on these sockets again either
+                    # (their unread messages would wake every poll).
+                    for sock in self.inputs:
+                        poller.unregister(sock)
             if self.coord_in is not None and self.coord_in in events:
                 self._drain_coordinator()
             self._flush_blocked()
