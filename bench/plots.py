@@ -47,15 +47,17 @@ def plot_throughput(result: dict[str, Any], out: Path) -> Path:
     panels = [(run, mode) for mode in ("live", "backlog") for run in result["runs"] if mode in run]
     cols = len(result["runs"])
     rows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.9 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.6 * cols, 6.2 * rows), squeeze=False)
     for ax, (run, mode) in zip(axes.flat, panels, strict=False):
         cases = run[mode]["cases"]
         ceiling = cases["a"]["outputs_per_s"]
-        for key, (label, color, marker) in _CASE_STYLE.items():
+        for i, (key, (label, color, marker)) in enumerate(_CASE_STYLE.items()):
             if key not in cases:
                 continue
             rate = cases[key]["outputs_per_s"]
-            ax.scatter([run["requests"]], [rate], color=color, marker=marker, s=60, zorder=3,
+            # Spread the cases at the same concurrency a little so none hides another.
+            x = run["requests"] * 1.18**i
+            ax.scatter([x], [rate], color=color, marker=marker, s=60, zorder=3,
                        label=f"{label}  ({rate / ceiling:.2f} x a)")  # fmt: skip
         streams = sorted(
             (c["consumers"], c["outputs_per_s"]) for k, c in cases.items() if k.startswith("d")
@@ -73,7 +75,8 @@ def plot_throughput(result: dict[str, Any], out: Path) -> Path:
         how = "live: read while the engine sends" if mode == "live" else "backlog: drain"
         ax.set_title(f"{run['batch']} output(s) per engine message - {how}", fontsize=10)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="lower left")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1,
+                  frameon=False)  # fmt: skip
         ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
     fig.suptitle("Firehose throughput, one run, the same reference engine for every case\n"
                  + _subtitle(result), fontsize=10)  # fmt: skip
