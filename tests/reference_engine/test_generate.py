@@ -3,6 +3,8 @@ batching, logprobs, sampling, pooling, prompt embeddings, error outputs."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -254,3 +256,17 @@ def test_preemption_keeps_outputs_exact(spawn) -> None:  # type: ignore[no-untyp
         assert got[r.request_id].tokens == echo_continuation(r.prompt_token_ids, 12)
         events += [int(e.type) for o in got[r.request_id].outputs for e in (o.events or [])]
     assert 3 in events  # PREEMPTED: blocks ran out and a request was recomputed
+
+
+def test_request_that_never_fits_does_not_spin(spawn) -> None:  # type: ignore[no-untyped-def]
+    fe = spawn(["--num-gpu-blocks", "2", "--block-size", "4"])
+    big = request(list(range(40, 60)), max_tokens=2)  # needs 5 blocks of 4, has 2
+    fe.add(big)
+    assert fe.no_output(0.5)  # waits; sends no empty steps
+    with open(f"/proc/{fe.proc.pid}/stat") as f:
+        ticks = sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
+    time.sleep(1.0)
+    with open(f"/proc/{fe.proc.pid}/stat") as f:
+        assert sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13]) - ticks < 20
+    fe.abort([big.request_id])
+    assert fe.generate(request(list(b"ab"), max_tokens=2)).tokens == list(b"ab")

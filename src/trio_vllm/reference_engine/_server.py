@@ -114,6 +114,7 @@ class EngineServer:
         self.firehose_cursor = 0
         self.blocked: deque[tuple[zmq.Socket[bytes], list[Any]]] = deque()
         self.engines_running = False
+        self.starved = False
         self.start_wave_sent: int | None = None
         self.wave_steps = 0
         self.last_counts: tuple[int, int] | None = None
@@ -501,6 +502,7 @@ class EngineServer:
                 self._handle_input([f.buffer for f in frames])
 
     def _handle_input(self, frames: list[memoryview]) -> None:
+        self.starved = False  # any input may change what can be scheduled
         head = bytes(frames[0][:2]) if frames else b""
         if head == b"\x04":
             # EXECUTOR_FAILED is vLLM's internal sentinel: its busy loop raises on it.
@@ -984,7 +986,7 @@ class EngineServer:
                 self._flush_delayed_blocking()
                 return
             busy = not self.stalled and (
-                self.scheduler.has_schedulable()
+                (self.scheduler.has_schedulable() and not self.starved)
                 or (bool(self.firehose) and not self.blocked)
                 or (self.options.moe and self.engines_running)
             )
@@ -1033,11 +1035,16 @@ class EngineServer:
                 if self.rank == 0 or self.profile_name == "0.33.0":
                     self._request_wave()
             stepped = False
-            if self.scheduler.has_schedulable():
+            if self.scheduler.has_schedulable() and not self.starved:
                 result = self.scheduler.step()
-                self.steps += 1
-                self._send_step(result)
-                stepped = True
+                if result.num_scheduled_tokens == 0 and not result.per_client:
+                    # Nothing fits (e.g. no free KV blocks for the waiting requests):
+                    # wait for input instead of spinning on empty steps.
+                    self.starved = True
+                else:
+                    self.steps += 1
+                    self._send_step(result)
+                    stepped = True
             elif self.firehose and not self.blocked:
                 # Several messages per poll: a poll is a syscall, dearer than a message.
                 for _ in range(_FIREHOSE_BURST):
