@@ -16,7 +16,7 @@ import anyio
 import pytest
 import sniffio
 
-from trio_vllm.client import ReferenceEngines, make_request, open_client
+from trio_vllm.client import ExternalEngines, ReferenceEngines, make_request, open_client
 
 from .conftest import FakeEngines, child_pids, open_fds, thread_names
 
@@ -165,3 +165,23 @@ async def test_exception_is_not_wrapped_in_a_group() -> None:
     with pytest.raises(ZeroDivisionError):
         async with open_client(ReferenceEngines(model="echo"), ready_timeout=30):
             1 / 0  # noqa: B018
+
+
+async def test_external_engines_exit_leaves_nothing() -> None:
+    from .test_sources import _free_port, _start_elsewhere, _stop_elsewhere
+
+    await _warm_up()
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    engine = _start_elsewhere(address, 0)
+    try:
+        before = await Snapshot.take()
+        before.children.add(engine.pid)  # started by the test, not by the client
+        async with (
+            open_client(ExternalEngines(address), ready_timeout=30) as client,
+            client.generate(make_request([3], max_tokens=2)) as stream,
+        ):
+            assert await stream.collect() == [3, 3]
+        await before.assert_nothing_left([], [])
+        assert engine.poll() is None  # not ours to stop
+    finally:
+        _stop_elsewhere([engine])

@@ -10,7 +10,7 @@ import sys
 import anyio
 import pytest
 
-from trio_vllm import EngineStartupError
+from trio_vllm import EngineDeadError, EngineStartupError
 from trio_vllm.client import (
     ExternalEngines,
     ReferenceEngines,
@@ -91,6 +91,24 @@ async def test_external_engines_join_over_tcp() -> None:
         assert all(p.poll() is None for p in engines)
     finally:
         _stop_elsewhere(engines)
+
+
+async def test_external_engine_death_is_noticed_by_its_connection() -> None:
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    (engine,) = [_start_elsewhere(address, 0)]
+    try:
+        async with open_client(ExternalEngines(address), ready_timeout=30) as client:
+            async with client.generate(make_request([5], max_tokens=3)) as stream:
+                assert await stream.collect() == [5, 5, 5]
+            engine.kill()  # no ENGINE_CORE_DEAD, no process we could watch
+            with anyio.fail_after(5):
+                error = await client.wait_dead()
+            assert "lost the connection to an engine" in str(error)
+            with pytest.raises(EngineDeadError):
+                await client.call_utility("get_supported_tasks")
+    finally:
+        _stop_elsewhere([engine])
 
 
 async def test_external_engines_timeout_explains_how_to_start_them() -> None:

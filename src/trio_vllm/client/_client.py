@@ -28,6 +28,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from .._exceptions import (
     EngineDeadError,
@@ -676,10 +677,50 @@ class EngineCoreClient:
             self._raw_outputs.append(outputs)
             self._raw_event.set()
 
-    async def _guard_input(self, socket: AsyncSocket) -> None:
+    async def _guard_input(self, socket: AsyncSocket, monitor: AsyncSocket | None) -> None:
         """After startup, an engine never sends on the input socket again: anything that
         arrives there (a stray ready response, an unknown identity) is a protocol error
-        that makes the client dead. Ends on close or death, never raises."""
+        that makes the client dead. With ``monitor`` (engines whose process we cannot
+        watch), a dropped engine connection makes it dead too. Ends on close or death,
+        never raises."""
+        if monitor is None:
+            await self._guard_input_messages(socket)
+            return
+        async with anyio.create_task_group() as tg:
+
+            async def guard_messages() -> None:
+                await self._guard_input_messages(socket)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(guard_messages)
+            await self._watch_disconnects(monitor)
+            tg.cancel_scope.cancel()
+
+    async def _watch_disconnects(self, monitor: AsyncSocket) -> None:
+        try:
+            while not self.dead:
+                for frames in await monitor.receive_batch():
+                    event = parse_monitor_message([_bytes(f) for f in frames])
+                    if event["event"] == zmq.EVENT_DISCONNECTED and not self._closing:
+                        raw_endpoint: object = event["endpoint"]
+                        endpoint = (
+                            raw_endpoint.decode(errors="replace")
+                            if isinstance(raw_endpoint, bytes)
+                            else str(raw_endpoint)
+                        )
+                        self._set_dead(
+                            f"lost the connection to an engine on the input socket "
+                            f"({endpoint}): the engine process or its host is gone"
+                        )
+                        return
+        except anyio.ClosedResourceError:
+            return
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:
+            self._set_dead(f"input socket monitor failed: {exc!r}", cause=exc)
+
+    async def _guard_input_messages(self, socket: AsyncSocket) -> None:
         try:
             while not self.dead:
                 for message in await socket.receive_batch():
@@ -946,8 +987,29 @@ async def open_client(
     body_error: BaseException | None = None
     unbounded: dict[int, int | bytes | str] = {zmq.RCVHWM: 0, zmq.SNDHWM: 0}
     try:
-        input_socket = AsyncSocket.create(context, zmq.ROUTER, options=unbounded)
-        sockets.append(input_socket)
+        monitor_socket: AsyncSocket | None = None
+        if layout.watch_disconnects:
+            # The monitor is attached before the socket is wrapped (and bound): the
+            # wrapper must be the only user of the socket afterwards.
+            raw = context.socket(zmq.ROUTER)
+            try:
+                raw.setsockopt(zmq.LINGER, 0)
+                raw.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                for option, value in unbounded.items():
+                    raw.setsockopt(option, value)
+                monitor_address = f"inproc://trio-vllm-monitor-{id(raw)}"
+                raw.monitor(monitor_address, zmq.EVENT_DISCONNECTED)
+                input_socket = AsyncSocket(raw)
+            except BaseException:
+                raw.close(linger=0)
+                raise
+            sockets.append(input_socket)
+            monitor_socket = AsyncSocket.create(context, zmq.PAIR)
+            sockets.append(monitor_socket)
+            monitor_socket.connect(monitor_address)
+        else:
+            input_socket = AsyncSocket.create(context, zmq.ROUTER, options=unbounded)
+            sockets.append(input_socket)
         output_socket = AsyncSocket.create(context, zmq.PULL, options=unbounded)
         sockets.append(output_socket)
         handshake_socket = AsyncSocket.create(context, zmq.ROUTER, options=unbounded)
@@ -1043,7 +1105,7 @@ async def open_client(
                     if process.exited.is_set():
                         client._on_process_exit(process)
                 tg.start_soon(client._receive_loop, output_socket)
-                tg.start_soon(client._guard_input, input_socket)
+                tg.start_soon(client._guard_input, input_socket, monitor_socket)
                 yield client
             except BaseException as exc:
                 body_error = exc

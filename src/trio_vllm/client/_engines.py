@@ -30,7 +30,9 @@ class SocketLayout:
     ``handshake_bind``: where to bind the handshake ROUTER; ``None`` means an ipc path
     in the client's private directory. ``data_host``: ``None`` binds input/output on
     ipc; otherwise TCP, bound at ``data_bind_host`` port 0 and advertised with
-    ``data_host``.
+    ``data_host``. ``watch_disconnects``: treat a dropped engine connection on the
+    input socket as the engine's death (for engines whose process the client cannot
+    watch).
     """
 
     handshake_bind: str | None
@@ -38,6 +40,7 @@ class SocketLayout:
     data_bind_host: str | None
     expect_local: bool | None
     expect_headless: bool | None
+    watch_disconnects: bool = False
 
 
 class EngineSource:
@@ -258,8 +261,10 @@ class ExternalEngines(EngineSource):
     other than 0). Input and output sockets are bound on ``bind_host`` (default: the
     handshake host) at kernel-chosen ports and advertised as ``advertise_host``
     (default: the handshake host; required when that is a wildcard); engines must be
-    able to reach them. Nothing is spawned, so nothing is stopped at exit; an engine
-    that dies is noticed through ``ENGINE_CORE_DEAD`` or a call deadline only.
+    able to reach them. Nothing is spawned, so nothing is stopped at exit. An engine
+    that dies is noticed through ``ENGINE_CORE_DEAD`` or when its connection to the
+    input socket drops (process exit, closed socket); a host that vanishes without
+    closing its connections is only noticed by the deadlines of your calls.
     """
 
     def __init__(
@@ -286,7 +291,9 @@ class ExternalEngines(EngineSource):
                 "advertise_host, the address engines use to reach this machine"
             )
         bind = self.bind_host or (self._host if wildcard else advertise)
-        return SocketLayout(self.handshake_address, advertise, bind, False, True)
+        return SocketLayout(
+            self.handshake_address, advertise, bind, False, True, watch_disconnects=True
+        )
 
     def describe(self) -> str:
         return f"{self.count} external engine(s) at {self.handshake_address} (ranks {self.ranks})"
