@@ -110,3 +110,16 @@ async def test_send_without_peer_waits_and_send_nowait_would_block(
         with anyio.move_on_after(0.05) as scope:
             await push.send([b"x"])
         assert scope.cancelled_caught
+
+
+async def test_receive_batch_respects_max_bytes(ctx: zmq.Context[Any]) -> None:
+    # inproc: a completed send is already in the receiver's queue.
+    with AsyncSocket.create(ctx, zmq.PULL) as pull, AsyncSocket.create(ctx, zmq.PUSH) as push:
+        pull.bind("inproc://max-bytes")
+        push.connect("inproc://max-bytes")
+        with anyio.fail_after(5):
+            for _ in range(6):
+                await push.send([BIG])
+            sizes = [len(await pull.receive_batch(256, max_bytes=150_000)) for _ in range(3)]
+    # The message that crosses the limit is included: 2 x 102,400 B per batch.
+    assert sizes == [2, 2, 2]

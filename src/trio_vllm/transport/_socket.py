@@ -48,7 +48,11 @@ __all__ = [
 ]
 
 InFrame: TypeAlias = bytes | zmq.Frame
-"""A received frame: ``bytes``, or a zero-copy ``zmq.Frame`` for a large frame."""
+"""A received frame: ``bytes``, or a zero-copy ``zmq.Frame`` for a large frame.
+
+A ``zmq.Frame`` supports the buffer protocol; ``frame.buffer`` is a ``memoryview`` of
+it that type-checks (pyzmq's stubs do not declare ``Frame`` a buffer).
+"""
 
 OutFrame: TypeAlias = bytes | bytearray | memoryview | zmq.Frame
 """Anything that can be sent as one frame (any object with the buffer protocol)."""
@@ -418,7 +422,8 @@ class AsyncSocket:
         message, the error is raised (:class:`~trio_vllm.UnroutableError`,
         ``anyio.ClosedResourceError``, ...) but ``anyio.WouldBlock`` is not: the
         return value is then 0. Call again with the rest (``messages[n:]``) to see
-        the error, or ``await send(...)`` to wait for room.
+        the error, or ``await send(...)`` to wait for room. Pass a sequence: from a
+        one-shot iterator the message that could not go has already been taken.
         """
         self._check_open()
         sent = 0
