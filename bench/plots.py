@@ -33,6 +33,7 @@ _CASE_STYLE = {
 }
 _LATENCY_STYLE = {
     "raw": ("blocking pyzmq + decoder (anchor)", "black"),
+    "transport": ("AsyncSocket only, same sockets", "tab:orange"),
     "stream": ("trio-vllm generate (stream)", "tab:blue"),
     "get_output": ("trio-vllm add_request + get_output", "tab:green"),
 }
@@ -94,6 +95,8 @@ def plot_latency(result: dict[str, Any], out: Path) -> Path:
     fig, axes = plt.subplots(1, len(runs), figsize=(6.2 * len(runs), 4.4), squeeze=False)
     for ax, run in zip(axes[0], runs, strict=True):
         for key, (label, color) in _LATENCY_STYLE.items():
+            if key not in run["samples_us"]:
+                continue
             values = sorted(run["samples_us"][key])
             n = len(values)
             stats = run["cases"][key]

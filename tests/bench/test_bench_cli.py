@@ -94,7 +94,7 @@ def test_latency(tmp_path: Path) -> None:
     check_png(load_plots().plot_latency(result, tmp_path))
     assert [r["backend"] for r in result["runs"]] == ["trio", "asyncio"]
     for run in result["runs"]:
-        for case in ("raw", "stream", "get_output"):
+        for case in ("raw", "transport", "stream", "get_output"):
             stats = run["cases"][case]
             assert 0 < stats["p50_us"] <= stats["p99_us"]
             assert len(run["samples_us"][case]) == 20
