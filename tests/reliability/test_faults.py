@@ -281,28 +281,72 @@ async def test_stall_blocks_only_until_the_callers_deadline(count: int) -> None:
 async def test_failing_utility_fails_only_that_call(count: int) -> None:
     """An injected utility failure raises UtilityCallError with the engine's message
     for that call (and for call_utility_all, naming the failing rank); every other
-    operation in flight carries on, and the client stays alive."""
+    operation in flight (a stream, a raw request read through get_output, a pending
+    utility call, a wait_dead) carries on, and the client stays alive."""
     async with open_reference_engines(count=count, model="echo", extra_args=ENGINE_ARGS) as engines:
         client = engines.client
         failing_rank = count - 1
         await engines.control(failing_rank).fail_utility("get_weight_version")
+        raw = make_request([8, 9], max_tokens=LONG)
+        raw_tokens: list[int] = []
+        dead_waiter_done = False
+
+        async def read_raw() -> None:
+            while True:
+                for out in (await client.get_output()).outputs:
+                    if out.request_id == raw.request_id:
+                        raw_tokens.extend(out.new_token_ids)
+
+        async def wait_dead() -> None:
+            nonlocal dead_waiter_done
+            await client.wait_dead()
+            dead_waiter_done = True
+
         with anyio.fail_after(20):
-            async with client.generate(make_request([6, 7], max_tokens=LONG), rank=0) as stream:
-                await stream.receive()
-                with pytest.raises(UtilityCallError, match="injected failure") as info:
-                    await client.call_utility("get_weight_version", rank=failing_rank)
-                assert info.value.rank == failing_rank
-                assert info.value.method == "get_weight_version"
-                with pytest.raises(UtilityCallError) as info:
-                    await client.get_weight_version()
-                assert info.value.rank == failing_rank
-                # Other utilities and the stream are unaffected.
-                assert "generate" in await client.get_supported_tasks()
-                for _ in range(3):
-                    assert (await stream.receive()).new_token_ids
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read_raw)
+                tg.start_soon(wait_dead)
+                await client.add_request(raw, rank=0)
+                async with client.generate(make_request([6, 7], max_tokens=LONG), rank=0) as s:
+                    await s.receive()
+                    # A utility the engine holds open while the stream runs.
+                    pending = anyio.Event()
+                    paused: list[object] = []
+
+                    async def pause() -> None:
+                        pending.set()
+                        paused.append(
+                            await client.call_utility("pause_scheduler", "wait", False, rank=0)
+                        )
+
+                    tg.start_soon(pause)
+                    await pending.wait()
+                    with pytest.raises(UtilityCallError, match="injected failure") as info:
+                        await client.call_utility("get_weight_version", rank=failing_rank)
+                    assert info.value.rank == failing_rank
+                    assert info.value.method == "get_weight_version"
+                    with pytest.raises(UtilityCallError) as info:
+                        await client.get_weight_version()
+                    assert info.value.rank == failing_rank
+                    # Everything else is unaffected.
+                    assert "generate" in await client.get_supported_tasks()
+                    for _ in range(3):
+                        assert (await s.receive()).new_token_ids
+                    seen = len(raw_tokens)
+                    while len(raw_tokens) < seen + 3:  # noqa: ASYNC110 - fed by read_raw
+                        await anyio.sleep(0.005)
+                    assert client.pending_utility_calls == 1  # the pause, still held
+                    assert not paused
+                await client.abort_requests([raw.request_id])
+                # Both requests gone: the held pause completes.
+                while not paused:  # noqa: ASYNC110 - fed by pause()
+                    await anyio.sleep(0.005)
+                tg.cancel_scope.cancel()
             assert not client.dead
+            assert not dead_waiter_done
             await engines.control(failing_rank).unfail_utility("get_weight_version")
             assert await client.get_weight_version() == "default"
+            await client.resume_scheduler()
         assert client.pending_utility_calls == 0
         await assert_engine_idle(engines, within=5)
 
