@@ -76,11 +76,6 @@ async def _sweep(
 # ---------------------------------------------------------------------- open_client
 
 
-# trio only for now: on asyncio a cancellation inside anyio.open_process (asyncio's
-# subprocess transport, after the fork) leaves the engine process running, unowned, after
-# open_client has exited (client/_process.py spawn_engine_process; reported, see
-# docs/reliability.md "Known problems"). Re-enable asyncio once it is shielded there.
-@pytest.mark.parametrize("anyio_backend", ["trio"])
 @pytest.mark.parametrize("count", [1, 2], ids=["1-engine", "dp2"])
 async def test_open_client_cancelled_at_every_checkpoint(count: int) -> None:
     """Cancelling ``open_client`` anywhere (startup, body, exit) leaves no task, no engine

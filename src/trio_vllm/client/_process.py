@@ -163,13 +163,17 @@ async def spawn_engine_process(
         full_env.update(env)
     # Unbuffered python output, so the tail shows the last lines before a crash.
     full_env.setdefault("PYTHONUNBUFFERED", "1")
-    process = await anyio.open_process(
-        list(command),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=full_env,
-        cwd=cwd,
-        start_new_session=True,
-    )
+    # Shielded: on asyncio a cancellation can land inside the subprocess setup after
+    # the fork, leaving a child that nobody owns. The spawn is quick; the caller's
+    # cancellation is delivered at its next checkpoint, once the process is owned.
+    with anyio.CancelScope(shield=True):
+        process = await anyio.open_process(
+            list(command),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=cwd,
+            start_new_session=True,
+        )
     return EngineProcess(process, name=name, ranks=ranks)
