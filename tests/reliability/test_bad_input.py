@@ -25,7 +25,7 @@ from trio_vllm import (
 )
 from trio_vllm.protocol import UtilityCall
 
-from ._peer import Peer, PeerEngines, peer_client
+from ._peer import Peer, PeerEngines, peer_client, peers_client
 
 if TYPE_CHECKING:
     from trio_vllm import EngineCoreClient
@@ -163,6 +163,20 @@ async def test_bad_utility_calls_are_refused_before_sending() -> None:
                 await call()
             assert client.pending_utility_calls == 0
         await _sentinel(client, peer, expected_before=0)
+
+
+async def test_call_utility_all_refuses_unencodable_args_plainly() -> None:
+    """call_utility_all refuses what call_utility refuses, with the same plain ValueError
+    (not an exception group of one per rank), and sends nothing to any rank."""
+    async with peers_client(2) as (client, peers):
+        with pytest.raises(ValueError, match="cannot be encoded"):
+            await client.call_utility_all("get_supported_tasks", object())
+        assert client.pending_utility_calls == 0
+        for rank, peer in enumerate(peers):
+            with anyio.fail_after(5):
+                assert await client.call_utility("echo", "sentinel", rank=rank) == ["sentinel"]
+            # The sentinel is the first and only message each rank received.
+            assert [m.method for m in peer.received] == ["echo"], peer.received
 
 
 async def test_unknown_utility_name_fails_on_the_engine_only() -> None:

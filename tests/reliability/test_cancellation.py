@@ -176,6 +176,52 @@ async def test_add_request_and_get_output(reference_engines: ReferenceEngineSet)
     _drain(client)
 
 
+@pytest.mark.reference_engines(**ENGINES)
+async def test_abort_requests(reference_engines: ReferenceEngineSet) -> None:
+    """``abort_requests`` cancelled at any checkpoint changed nothing: the request is still
+    live on the client (and running on the engine); completed, it is gone from both."""
+    client = reference_engines.client
+    cancelled_while_live: list[bool] = []
+
+    async def scenario() -> None:
+        request = make_request([5], max_tokens=LONG)
+        rid = request.request_id
+        await client.add_request(request)
+        try:
+            await client.abort_requests([rid])
+        except BaseException:
+            cancelled_while_live.append(rid in client.live_requests)
+            with anyio.CancelScope(shield=True):
+                await client.abort_requests([rid])
+            raise
+        assert rid not in client.live_requests
+
+    await _sweep(scenario, engines=reference_engines, min_checkpoints=2)
+    # At least the run cancelled inside abort_requests found the request still live.
+    assert cancelled_while_live, "no run was cancelled inside abort_requests"
+    assert all(cancelled_while_live), cancelled_while_live
+    _drain(client)
+
+
+@pytest.mark.reference_engines(**ENGINES)
+async def test_stream_aborted_from_another_call(reference_engines: ReferenceEngineSet) -> None:
+    """A stream whose request is aborted through ``abort_requests`` ends as aborted, and
+    the engine drops the request, wherever a cancellation lands."""
+    client = reference_engines.client
+
+    async def scenario() -> None:
+        request = make_request([5, 6], max_tokens=LONG)
+        async with client.generate(request) as stream:
+            await stream.receive()
+            await client.abort_requests([request.request_id])
+            async for _ in stream:
+                pass
+            assert stream.aborted
+
+    await _sweep(scenario, engines=reference_engines, min_checkpoints=3)
+    _drain(client)
+
+
 def _drain(client: EngineCoreClient) -> None:
     """Drop batches left queued for aborted raw requests (stats, late outputs)."""
     while True:

@@ -373,12 +373,18 @@ class EngineCoreClient:
         ``aborted`` set) and the ABORT goes to the engine serving each; unknown ids are
         sent to ``rank`` or to every engine (aborting is idempotent). The engine sends
         no output for a client-initiated abort.
+
+        Cancellation: the one checkpoint comes first; once past it the requests are
+        forgotten locally and every ABORT is queued without another checkpoint, so a
+        cancelled call changed nothing and a completed one reached every owner.
         """
         self._check_alive()
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for request_id in ids:
             if not isinstance(request_id, str):
                 raise TypeError(f"request ids are strings, got {request_id!r}")
+        await anyio.lowlevel.checkpoint()
+        self._check_alive()
         by_rank: dict[int, list[str]] = {}
         for request_id in ids:
             owner = self._raw_requests.pop(request_id, None)
@@ -394,8 +400,8 @@ class EngineCoreClient:
             else:
                 for target in [rank] if rank is not None else self._ranks:
                     by_rank.setdefault(self._choose_rank(target), []).append(request_id)
-        for target, ids in by_rank.items():
-            await self._send(target, self._wire.encode_abort(ids))
+        for target, rank_ids in by_rank.items():
+            await self._send_abort(target, rank_ids)
 
     @contextlib.asynccontextmanager
     async def generate(
@@ -428,10 +434,11 @@ class EngineCoreClient:
             self._release_stream(stream)
             if sent and not stream.finished:
                 stream.aborted = True
-                await self._abort_on_exit(target, request_id)
+                await self._send_abort(target, [request_id])
 
-    async def _abort_on_exit(self, rank: int, request_id: str) -> None:
-        frames = self._wire.encode_abort([request_id])
+    async def _send_abort(self, rank: int, request_ids: list[str]) -> None:
+        """Queue an ABORT without a checkpoint when possible (safe in cancelled code)."""
+        frames = self._wire.encode_abort(request_ids)
         if self._send_nowait_best_effort(rank, frames):
             return
         # The peer's queue is full (only with a finite HWM): wait briefly, shielded.
@@ -485,7 +492,9 @@ class EngineCoreClient:
         async def one(rank: int) -> None:
             try:
                 results[rank] = await self.call_utility(method, *args, rank=rank)
-            except TrioVllmError as exc:
+            except (TrioVllmError, ValueError, TypeError) as exc:
+                # Caller errors (unencodable arguments) too, so they surface as the
+                # same plain exception call_utility raises, not as an exception group.
                 errors[rank] = exc
 
         async with anyio.create_task_group() as tg:
