@@ -216,7 +216,16 @@ class Frontend:
 
     def wait_exit(self, timeout: float = DEFAULT_TIMEOUT) -> int:
         assert self.proc is not None
-        return self.proc.wait(timeout)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            stack = ""
+            with contextlib.suppress(OSError), open(f"/proc/{self.proc.pid}/stat") as f:
+                stack = f.read()
+            raise AssertionError(
+                f"engine did not exit within {timeout} s; /proc stat: {stack!r}; "
+                f"stderr: {self.stderr()}"
+            ) from None
 
     def signal(self, signum: int = signal.SIGTERM) -> None:
         assert self.proc is not None
