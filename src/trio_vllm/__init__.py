@@ -16,6 +16,8 @@ from ._exceptions import UnroutableError as UnroutableError
 from ._exceptions import UtilityCallError as UtilityCallError
 from ._version import __version__ as __version__
 from .client import EngineCoreClient as EngineCoreClient
+from .client import EngineEvent as EngineEvent
+from .client import EngineEvents as EngineEvents
 from .client import EngineSource as EngineSource
 from .client import ExternalEngines as ExternalEngines
 from .client import ReferenceEngines as ReferenceEngines
