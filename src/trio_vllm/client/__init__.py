@@ -6,6 +6,8 @@ Public names are re-exported from :mod:`trio_vllm`.
 from __future__ import annotations
 
 from ._client import EngineCoreClient as EngineCoreClient
+from ._client import EngineEvent as EngineEvent
+from ._client import EngineEvents as EngineEvents
 from ._client import StartupProgress as StartupProgress
 from ._client import open_client as open_client
 from ._engines import EngineSource as EngineSource
@@ -19,6 +21,8 @@ from ._streams import RequestStream as RequestStream
 
 __all__ = [
     "EngineCoreClient",
+    "EngineEvent",
+    "EngineEvents",
     "EngineSource",
     "ExternalEngines",
     "ReferenceEngines",

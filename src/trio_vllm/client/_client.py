@@ -22,7 +22,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Any, Final, Literal, final
 
 import anyio
 import anyio.abc
@@ -46,6 +46,7 @@ from ..protocol.handshake import (
     identity_for_rank,
     rank_for_identity,
 )
+from ..protocol.routing import LoadBalancer, StartWave, WaveTracker
 from ..transport import AsyncSocket, PrivateIpcDir, tcp_endpoint
 from ._streams import RequestStream
 from ._wire import Wire
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
     from ._engines import EngineSource
     from ._process import EngineProcess
 
-__all__ = ["EngineCoreClient", "StartupProgress", "open_client"]
+__all__ = ["EngineCoreClient", "EngineEvent", "EngineEvents", "StartupProgress", "open_client"]
 
 DEFAULT_READY_TIMEOUT: Final = 600.0
 DEFAULT_SHUTDOWN_GRACE: Final = 5.0
@@ -81,6 +82,74 @@ class StartupProgress:
     responded: tuple[int, ...]
     elapsed: float
     event: HandshakeEvent | None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEvent:
+    """Something an engine told the client unasked, or a rank's loss; see
+    :attr:`EngineCoreClient.engine_events`.
+
+    ``kind``: ``"elastic_ep"`` (call id -1: ``payload`` is ``[type, dp_rank]``, e.g.
+    ``["RECONFIGURE_FINISHED", 2]``), ``"fault_tolerance"`` (call id -2: ``payload``
+    is the status map), or ``"rank_lost"`` (``on_engine_death="continue"``: the rank
+    died; ``payload`` is ``{"message": str, "requests": [ids failed]}``) and
+    ``"rank_retired"`` (:meth:`EngineCoreClient.retire_rank` finished).
+    """
+
+    kind: str
+    rank: int | None
+    payload: Any
+
+
+class EngineEvents:
+    """The client's channel of :class:`EngineEvent`: ``async for event in
+    client.engine_events`` or ``await client.engine_events.receive()``.
+
+    Unbounded (the events are rare); iteration ends, and ``receive`` raises
+    ``anyio.EndOfStream``, once the client is closed or dead and the queue is empty.
+    Cancellation: a cancelled ``receive`` consumes nothing.
+    """
+
+    def __init__(self) -> None:
+        self._queue: deque[EngineEvent] = deque()
+        self._event = anyio.Event()
+        self._closed = False
+
+    def _put(self, event: EngineEvent) -> None:
+        if not self._closed:
+            self._queue.append(event)
+            self._event.set()
+
+    def _close(self) -> None:
+        self._closed = True
+        self._event.set()
+
+    def receive_nowait(self) -> EngineEvent:
+        """The next event, or ``anyio.WouldBlock`` (``anyio.EndOfStream`` when closed)."""
+        if self._queue:
+            return self._queue.popleft()
+        if self._closed:
+            raise anyio.EndOfStream
+        raise anyio.WouldBlock
+
+    async def receive(self) -> EngineEvent:
+        """Wait for the next event."""
+        while True:
+            await anyio.lowlevel.checkpoint()
+            if self._queue or self._closed:
+                return self.receive_nowait()
+            if self._event.is_set():
+                self._event = anyio.Event()
+            await self._event.wait()
+
+    def __aiter__(self) -> EngineEvents:
+        return self
+
+    async def __anext__(self) -> EngineEvent:
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
 
 
 @dataclass(slots=True)
@@ -127,6 +196,8 @@ class EngineCoreClient:
         ready_responses: Mapping[int, Mapping[str, Any]],
         wire: Wire,
         stream_buffer: int,
+        on_engine_death: Literal["fail", "continue"] = "fail",
+        waves: bool = False,
     ) -> None:
         self._input = input_socket
         self._ranks = list(ranks)
@@ -142,7 +213,20 @@ class EngineCoreClient:
         self._raw_outputs: deque[Any] = deque()
         self._raw_event = anyio.Event()
         self._raw_mode = False
-        self._in_flight: dict[int, int] = dict.fromkeys(self._ranks, 0)
+        # The one place that decides where requests go (protocol/routing.py).
+        self._balancer = LoadBalancer(self._ranks)
+        self._waves = WaveTracker(self._ranks) if waves else None
+        self._on_engine_death = on_engine_death
+        self._lost_ranks: dict[int, str] = {}
+        self._retiring: set[int] = set()
+        self._drained: dict[int, anyio.Event] = {}
+        self._shutdown_grace = DEFAULT_SHUTDOWN_GRACE
+        # ENGINE_CORE_DEAD carries no rank: in "continue" mode with several live ranks
+        # the rank is named by its process exit or dropped connection instead.
+        self._unattributed_deaths = 0
+        # Bound input endpoint -> the ranks that connect to it (to name a dropped one).
+        self._endpoint_ranks: dict[str, list[int]] = {}
+        self._events = EngineEvents()
         self._dead_message: str | None = None
         self._dead_rank: int | None = None
         self._dead_cause: BaseException | None = None
@@ -159,6 +243,46 @@ class EngineCoreClient:
     def ranks(self) -> list[int]:
         """Data-parallel ranks of the engines behind this client."""
         return list(self._ranks)
+
+    @property
+    def live_ranks(self) -> list[int]:
+        """Ranks new requests can go to: not lost (``on_engine_death="continue"``)
+        and not retired."""
+        return self._balancer.live_ranks
+
+    @property
+    def lost_ranks(self) -> dict[int, str]:
+        """Rank -> why it is gone, for ranks lost while the client kept running."""
+        return dict(self._lost_ranks)
+
+    @property
+    def engine_events(self) -> EngineEvents:
+        """Unsolicited engine notices and rank losses, in arrival order.
+
+        Elastic-EP (call id -1) and fault-tolerance (call id -2) messages are never
+        matched against utility calls; they arrive here as :class:`EngineEvent`. The
+        buffer is unbounded (these are rare); iteration ends when the client closes.
+        """
+        return self._events
+
+    @property
+    def in_flight(self) -> dict[int, int]:
+        """Rank -> requests of this client in flight there (the routing load)."""
+        return {r: self._balancer.in_flight(r) for r in self._ranks}
+
+    @property
+    def _in_flight(self) -> dict[int, int]:
+        return self.in_flight
+
+    @property
+    def current_wave(self) -> int | None:
+        """The DP wave the client believes current (``None`` without ``waves=True``)."""
+        return None if self._waves is None else self._waves.current_wave
+
+    @property
+    def waves_started(self) -> int:
+        """How many waves the client started or saw start (0 without ``waves=True``)."""
+        return 0 if self._waves is None else self._waves.waves_started
 
     @property
     def ready_responses(self) -> dict[int, dict[str, Any]]:
@@ -223,6 +347,12 @@ class EngineCoreClient:
         error.__cause__ = self._dead_cause
         return error
 
+    def _rank_error(self, rank: int) -> EngineDeadError:
+        """The error for a call or request of ``rank`` that ended by a death."""
+        if self.dead or rank not in self._lost_ranks:
+            return self._dead_error()
+        return EngineDeadError(f"engine rank {rank} died: {self._lost_ranks[rank]}", rank=rank)
+
     def _check_alive(self) -> None:
         if self._dead_message is not None:
             raise self._dead_error()
@@ -243,10 +373,62 @@ class EngineCoreClient:
             stream._fail(self._dead_error)
         self._raw_event.set()
         self._dead_event.set()
+        for drained in self._drained.values():
+            drained.set()
+        self._events._close()
+
+    def _rank_died(
+        self, rank: int | None, message: str, *, cause: BaseException | None = None
+    ) -> None:
+        """One rank is gone: the whole client dies (default, vLLM parity), or with
+        ``on_engine_death="continue"`` only that rank's requests and calls fail."""
+        if self.dead:
+            return
+        if rank is not None and rank in self._lost_ranks:
+            return
+        if self._on_engine_death != "continue" or rank is None or rank not in self._rank_set:
+            self._set_dead(message, rank=rank, cause=cause)
+            return
+        self._lost_ranks[rank] = message
+        self._balancer.remove(rank)
+        if self._waves is not None:
+            self._waves.set_ranks(self._balancer.live_ranks)
+        if not self._balancer.live_ranks:
+            self._set_dead(f"every engine is gone; the last: {message}", rank=rank, cause=cause)
+            return
+
+        def error() -> EngineDeadError:
+            exc = EngineDeadError(f"engine rank {rank} died: {message}", rank=rank)
+            exc.__cause__ = cause
+            return exc
+
+        drained = self._drained.get(rank)
+        if drained is not None:
+            drained.set()
+        failed: list[str] = []
+        for call in self._pending_calls.values():
+            if call.rank == rank and not call.done:
+                call.dead = True
+                call.event.set()
+        for request_id, stream in list(self._streams.items()):
+            if stream.rank == rank and not stream.finished:
+                failed.append(request_id)
+                stream._fail(error)
+                self._release_stream(stream)
+        for request_id, owner in list(self._raw_requests.items()):
+            if owner == rank:
+                failed.append(request_id)
+                del self._raw_requests[request_id]
+                self._request_ended(rank)
+        self._events._put(
+            EngineEvent("rank_lost", rank, {"message": message, "requests": failed})
+        )
 
     def _on_process_exit(self, process: EngineProcess) -> None:
         if self._closing or self.dead:
             return
+        if all(rank in self._retiring for rank in process.ranks):
+            return  # stopped by retire_rank
         if self._receive_scope is None:
             self._die_of_exit(process)
             return
@@ -257,24 +439,48 @@ class EngineCoreClient:
         self._receive_scope.cancel()
 
     def _die_of_exit(self, process: EngineProcess) -> None:
+        message = f"engine process died: {process.describe_exit()}"
+        if self._on_engine_death == "continue":
+            for each in process.ranks:
+                if each not in self._retiring:
+                    self._rank_died(each, message)
+            return
         rank = process.ranks[0] if len(process.ranks) == 1 else None
-        self._set_dead(f"engine process died: {process.describe_exit()}", rank=rank)
+        self._set_dead(message, rank=rank)
 
     # ------------------------------------------------------------------ routing
 
     def _choose_rank(self, rank: int | None) -> int:
-        """The one place that picks an engine: the given rank, else least in flight."""
-        if rank is not None:
-            if rank not in self._rank_set:
-                raise ValueError(f"no engine with rank {rank} (ranks: {self._ranks})")
-            return rank
-        return min(self._ranks, key=lambda r: (self._in_flight[r], r))
+        """The one place that picks an engine: the given rank, else the least loaded
+        live one (:class:`~trio_vllm.protocol.routing.LoadBalancer`)."""
+        try:
+            return self._balancer.choose(rank)
+        except LookupError:
+            raise self._dead_error() from None
+
+    def _request_target(self, request: Any, rank: int | None) -> int:
+        pinned = rank if rank is not None else getattr(request, "data_parallel_rank", None)
+        return self._choose_rank(pinned)
 
     def _request_started(self, rank: int) -> None:
-        self._in_flight[rank] += 1
+        self._balancer.started(rank)
 
     def _request_ended(self, rank: int) -> None:
-        self._in_flight[rank] -= 1
+        self._balancer.ended(rank)
+        drained = self._drained.get(rank)
+        if drained is not None and self._balancer.in_flight(rank) == 0:
+            drained.set()
+
+    def _wave_frames(self, start: StartWave | None) -> None:
+        """Queue START_DP_WAVE for ``start`` (the coordinator's role, §7.5); no
+        checkpoint: a full peer queue only loses a wake-up that the next one repeats."""
+        if start is None:
+            return
+        frames = self._wire.encode_start_dp_wave(start.wave, start.exclude)
+        for target in start.ranks:
+            if target in self._lost_ranks:
+                continue
+            self._send_nowait_best_effort(target, frames)
 
     def _release_stream(self, stream: RequestStream) -> None:
         # Each stream leaves the in-flight count exactly once (finish, abort or exit).
@@ -288,8 +494,8 @@ class EngineCoreClient:
         try:
             await self._input.send([identity_for_rank(rank), *frames])
         except UnroutableError as exc:
-            self._set_dead(f"engine {rank} is no longer connected", rank=rank, cause=exc)
-            raise self._dead_error() from exc
+            self._rank_died(rank, f"engine {rank} is no longer connected", cause=exc)
+            raise self._rank_error(rank) from exc
         except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
             self._check_alive()
             raise self._dead_error() from exc
@@ -327,7 +533,7 @@ class EngineCoreClient:
         """
         self._check_alive()
         request_id = self._check_new_request(request)
-        target = self._choose_rank(rank)
+        target = self._request_target(request, rank)
         frames = self._wire.encode_add(request)
         self._raw_mode = True
         self._raw_requests[request_id] = target
@@ -338,6 +544,11 @@ class EngineCoreClient:
             if self._raw_requests.pop(request_id, None) is not None:
                 self._request_ended(target)
             raise
+        self._after_add(target)
+
+    def _after_add(self, target: int) -> None:
+        if self._waves is not None:
+            self._wave_frames(self._waves.on_add(target))
 
     async def get_output(self) -> Any:
         """Wait for the next EngineCoreOutputs batch for raw requests (vLLM's get_output).
@@ -398,7 +609,7 @@ class EngineCoreClient:
             if owner is not None:
                 by_rank.setdefault(owner, []).append(request_id)
             else:
-                for target in [rank] if rank is not None else self._ranks:
+                for target in [rank] if rank is not None else self._balancer.live_ranks:
                     by_rank.setdefault(self._choose_rank(target), []).append(request_id)
         for target, rank_ids in by_rank.items():
             await self._send_abort(target, rank_ids)
@@ -417,7 +628,7 @@ class EngineCoreClient:
         """
         self._check_alive()
         request_id = self._check_new_request(request)
-        target = self._choose_rank(rank)
+        target = self._request_target(request, rank)
         frames = self._wire.encode_add(request)
         stream = RequestStream(request_id, target, max_pending=max_pending or self._stream_buffer)
         self._streams[request_id] = stream
@@ -427,6 +638,7 @@ class EngineCoreClient:
         try:
             await self._send(target, frames)
             sent = True
+            self._after_add(target)
             yield stream
         finally:
             if self._streams.get(request_id) is stream:
@@ -474,18 +686,26 @@ class EngineCoreClient:
         finally:
             self._pending_calls.pop(call_id, None)
         if call.dead:
-            raise self._dead_error()
+            raise self._rank_error(target)
         if call.failure is not None:
             raise UtilityCallError(method, call.failure, rank=target)
         return call.result
 
-    async def call_utility_all(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method(*args)`` on every engine concurrently; results in rank order.
+    async def call_utility_all(
+        self, method: str, *args: Any, return_exceptions: bool = False
+    ) -> list[Any]:
+        """Call ``method(*args)`` on every live engine concurrently; results in rank
+        order (of :attr:`live_ranks`).
 
         If any call fails, the first failure by rank is raised (an
         :class:`~trio_vllm.EngineDeadError` takes precedence) after all calls ended.
+        With ``return_exceptions=True`` nothing is raised for engine-side trouble:
+        each rank's entry is its result or its :class:`~trio_vllm.TrioVllmError`
+        (:class:`~trio_vllm.UtilityCallError`, :class:`~trio_vllm.EngineDeadError`).
+        Cancellation cancels every call.
         """
         self._check_alive()
+        ranks = self._balancer.live_ranks
         results: dict[int, Any] = {}
         errors: dict[int, BaseException] = {}
 
@@ -498,12 +718,49 @@ class EngineCoreClient:
                 errors[rank] = exc
 
         async with anyio.create_task_group() as tg:
-            for rank in self._ranks:
+            for rank in ranks:
                 tg.start_soon(one, rank)
+        if return_exceptions:
+            return [errors[r] if r in errors else results[r] for r in ranks]
         if errors:
             dead = [e for e in errors.values() if isinstance(e, EngineDeadError)]
             raise dead[0] if dead else errors[min(errors)]
-        return [results[r] for r in self._ranks]
+        return [results[r] for r in ranks]
+
+    async def retire_rank(self, rank: int, *, drain: bool = True) -> None:
+        """Scale down: stop routing to ``rank``, finish or abort its requests, stop it.
+
+        New requests go elsewhere at once. With ``drain`` the call waits until every
+        request already on the rank finished; without, they are aborted (streams stop
+        with ``aborted`` set, the engine gets ABORT). Then a process this client
+        spawned for that rank alone is stopped (SIGTERM, grace, SIGKILL); an external
+        engine is left running, unused. An :class:`EngineEvent` ``"rank_retired"``
+        follows. Cancellation while draining: the rank stays out of routing and its
+        requests keep running. Raises ``ValueError`` for an unknown or gone rank or the
+        last live rank.
+        """
+        self._check_alive()
+        if rank not in self._rank_set or rank in self._lost_ranks or rank in self._retiring:
+            raise ValueError(f"rank {rank} is not a live engine of this client")
+        if self._balancer.live_ranks == [rank]:
+            raise ValueError(f"rank {rank} is the last live engine; close the client instead")
+        self._retiring.add(rank)
+        self._balancer.remove(rank)
+        if self._waves is not None:
+            self._waves.set_ranks(self._balancer.live_ranks)
+        if not drain:
+            ids = [i for i, st in self._streams.items() if st.rank == rank and not st.finished]
+            ids += [i for i, owner in self._raw_requests.items() if owner == rank]
+            if ids:
+                await self.abort_requests(ids)
+        if self._balancer.in_flight(rank) > 0:
+            drained = self._drained.setdefault(rank, anyio.Event())
+            await drained.wait()
+            self._check_alive()
+        for process in self._processes:
+            if process.ranks == (rank,):
+                await process.stop(self._shutdown_grace)
+        self._events._put(EngineEvent("rank_retired", rank, None))
 
     async def _call_all_equal(self, method: str, *args: Any) -> Any:
         results = await self.call_utility_all(method, *args)
@@ -639,7 +896,13 @@ class EngineCoreClient:
         """Route one output-socket message; raises ProtocolError on bad input."""
         outputs = self._wire.decode_outputs(frames)
         if outputs is None:
-            rank = self._ranks[0] if len(self._ranks) == 1 else None
+            live = self._balancer.live_ranks
+            if self._on_engine_death == "continue" and len(live) > 1:
+                # No rank in the frame: the engine's exit (or dropped connection),
+                # which follows at once, names it (§8.3).
+                self._unattributed_deaths += 1
+                return
+            rank = live[0] if len(live) == 1 else None
             self._set_dead(
                 "engine core sent ENGINE_CORE_DEAD (a fatal error in the engine; see its log)",
                 rank=rank,
@@ -651,9 +914,32 @@ class EngineCoreClient:
                 f"output from unexpected engine_index {engine_index!r} "
                 f"(expected one of {self._ranks})"
             )
+        if engine_index in self._lost_ranks:
+            return  # the rank's requests already failed; late words are dropped
+        stats = outputs.scheduler_stats
+        if stats is not None:
+            self._balancer.update_stats(
+                engine_index, stats.num_waiting_reqs, stats.num_running_reqs
+            )
+        if self._waves is not None:
+            if outputs.wave_complete is not None:
+                self._wave_frames(
+                    self._waves.on_wave_complete(
+                        outputs.wave_complete,
+                        requests_in_flight=any(
+                            self._balancer.in_flight(r) for r in self._balancer.live_ranks
+                        ),
+                    )
+                )
+            if outputs.start_wave is not None:
+                self._wave_frames(self._waves.on_start_wave(outputs.start_wave, engine_index))
         utility = outputs.utility_output
         if utility is not None:
             call_id = utility.call_id
+            if call_id in _RESERVED_CALL_IDS:
+                kind = "elastic_ep" if call_id == -1 else "fault_tolerance"
+                value = self._wire.utility_value(utility)
+                self._events._put(EngineEvent(kind, engine_index, value))
             call = None if call_id in _RESERVED_CALL_IDS else self._pending_calls.get(call_id)
             if call is not None and not call.done:
                 call.done = True
@@ -717,11 +1003,24 @@ class EngineCoreClient:
                             if isinstance(raw_endpoint, bytes)
                             else str(raw_endpoint)
                         )
-                        self._set_dead(
+                        if self._endpoint_ranks and endpoint not in self._endpoint_ranks:
+                            continue  # an engine whose process exit is watched instead
+                        message = (
                             f"lost the connection to an engine on the input socket "
                             f"({endpoint}): the engine process or its host is gone"
                         )
-                        return
+                        ranks = [
+                            r
+                            for r in self._endpoint_ranks.get(endpoint, [])
+                            if r not in self._lost_ranks and r not in self._retiring
+                        ]
+                        if not ranks and self._endpoint_ranks.get(endpoint):
+                            continue  # a retired or already lost engine
+                        # Several engines behind one endpoint: the connection does not
+                        # say which one left, so the client cannot go on without it.
+                        self._rank_died(ranks[0] if len(ranks) == 1 else None, message)
+                        if self._dead_message is not None:
+                            return
         except anyio.ClosedResourceError:
             return
         except anyio.get_cancelled_exc_class():
@@ -772,8 +1071,11 @@ class EngineCoreClient:
                         return
                 if self._exited:
                     await self._drain_after_exit(socket)
-                    self._die_of_exit(self._exited[0])
-                    return
+                    exited, self._exited = self._exited, []
+                    for process in exited:
+                        self._die_of_exit(process)
+                    if self.dead:
+                        return
         except anyio.ClosedResourceError:
             if not self._closing:
                 self._set_dead("output socket closed", cause=None)
@@ -812,7 +1114,7 @@ class EngineCoreClient:
 
 @dataclass(slots=True)
 class _Startup:
-    handshake: ClientHandshake
+    handshake: _Handshakes
     done: anyio.Event
     started_at: float
     on_progress: Callable[[StartupProgress], None] | None
@@ -917,7 +1219,7 @@ def _first_leaf(exc: BaseException) -> BaseException:
 
 def _startup_error(
     startup: _Startup,
-    engines: EngineSource,
+    engines: _SourceSet,
     processes: Sequence[EngineProcess],
     *,
     timed_out: float | None,
@@ -947,9 +1249,108 @@ def _startup_error(
     return EngineStartupError("\n".join(lines))
 
 
+class _SourceSet:
+    """Several engine sources behind one client: their ranks must not overlap."""
+
+    def __init__(self, engines: EngineSource | Sequence[EngineSource]) -> None:
+        self.sources: list[EngineSource] = (
+            list(engines) if isinstance(engines, (list, tuple)) else [engines]  # type: ignore[list-item]
+        )
+        if not self.sources:
+            raise ValueError("expected at least one engine source")
+        seen: dict[int, EngineSource] = {}
+        for source in self.sources:
+            for rank in source.ranks:
+                if rank in seen:
+                    raise ValueError(
+                        f"rank {rank} is in two engine sources: {seen[rank].describe()} and "
+                        f"{source.describe()}; give each source its own start_rank"
+                    )
+                seen[rank] = source
+        self.ranks = sorted(seen)
+
+    def describe(self) -> str:
+        return " + ".join(source.describe() for source in self.sources)
+
+    def startup_hint(self) -> str:
+        hints = dict.fromkeys(source.startup_hint() for source in self.sources)
+        return " ".join(hints)
+
+
+class _Handshakes:
+    """One :class:`ClientHandshake` per source (each advertises its own addresses),
+    seen as one: messages are dispatched by the sender's rank."""
+
+    def __init__(self, parts: Sequence[ClientHandshake]) -> None:
+        self._parts = list(parts)
+        self._by_rank = {rank: part for part in self._parts for rank in part.ranks}
+        self._done: dict[int, HandshakeComplete] = {}
+        self._complete = False
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self._by_rank)
+
+    @property
+    def connected(self) -> list[int]:
+        return sorted(r for p in self._parts for r in p.connected)
+
+    @property
+    def ready(self) -> list[int]:
+        return sorted(r for p in self._parts for r in p.ready)
+
+    @property
+    def responded(self) -> list[int]:
+        return sorted(r for p in self._parts for r in p.responded)
+
+    @property
+    def handshake_socket_done(self) -> bool:
+        return all(p.handshake_socket_done for p in self._parts)
+
+    def describe_waiting(self) -> str:
+        waiting = [p.describe_waiting() for p in self._parts]
+        busy = [w for w in waiting if w != "nothing (handshake complete)"]
+        return "; ".join(busy) if busy else waiting[0]
+
+    def _part(self, identity: bytes) -> ClientHandshake:
+        try:
+            return self._by_rank.get(rank_for_identity(identity), self._parts[0])
+        except ProtocolError:
+            return self._parts[0]  # it words the error for the bad identity
+
+    def receive_handshake(self, identity: bytes, payload: bytes) -> list[HandshakeEvent]:
+        part = self._part(identity)
+        return self._merge(part, part.receive_handshake(identity, payload))
+
+    def receive_input(self, identity: bytes, payload: bytes) -> list[HandshakeEvent]:
+        part = self._part(identity)
+        return self._merge(part, part.receive_input(identity, payload))
+
+    def _merge(self, part: ClientHandshake, events: list[HandshakeEvent]) -> list[HandshakeEvent]:
+        kept: list[HandshakeEvent] = []
+        for event in events:
+            if isinstance(event, HandshakeComplete):
+                self._done[id(part)] = event
+            else:
+                kept.append(event)
+        if self._complete or len(self._done) < len(self._parts):
+            return kept
+        versions = {done.vllm_version for done in self._done.values()}
+        if len(versions) > 1:
+            raise ProtocolError(
+                f"engines report different vLLM versions: {sorted(map(str, versions))}"
+            )
+        self._complete = True
+        responses: dict[int, Mapping[str, Any]] = {}
+        for done in self._done.values():
+            responses.update(done.ready_responses)
+        kept.append(HandshakeComplete(dict(sorted(responses.items())), versions.pop()))
+        return kept
+
+
 @contextlib.asynccontextmanager
 async def open_client(
-    engines: EngineSource,
+    engines: EngineSource | Sequence[EngineSource],
     *,
     ready_timeout: float | None = None,
     profile: ProtocolProfile | str | None = None,
@@ -957,12 +1358,16 @@ async def open_client(
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     stream_buffer: int = 64,
     on_progress: Callable[[StartupProgress], None] | None = None,
+    on_engine_death: Literal["fail", "continue"] = "fail",
+    waves: bool = False,
 ) -> AsyncIterator[EngineCoreClient]:
     """Start (or wait for) engines, handshake with them, and yield a client.
 
     Args:
         engines: a :class:`ReferenceEngines`, :class:`VllmEngines` or
-            :class:`ExternalEngines`.
+            :class:`ExternalEngines`, or a list of them whose ranks do not overlap
+            (data parallel over several sources and hosts; each source's engines get
+            the addresses of its own layout, e.g. its own host).
         ready_timeout: seconds to wait for every engine to be ready (default
             ``VLLM_ENGINE_READY_TIMEOUT_S`` or 600).
         profile: pin the protocol profile (a profile object or a vLLM version string)
@@ -971,6 +1376,16 @@ async def open_client(
         shutdown_grace: seconds between SIGTERM and SIGKILL for spawned engines.
         stream_buffer: default per-stream buffer before coalescing.
         on_progress: called (synchronously) on every startup step.
+        on_engine_death: ``"fail"`` (default, as vLLM): one rank's death makes the
+            client dead, the error naming the rank. ``"continue"``: only that rank's
+            requests and utility calls fail (:class:`EngineDeadError` with its
+            ``rank``), new requests go to the surviving ranks, an
+            :class:`EngineEvent` ``"rank_lost"`` is queued; the client dies when the
+            last rank does.
+        waves: play the DP coordinator's wave role for MoE engines (PROTOCOL.md
+            §7.4/§7.5): wake idle ranks with START_DP_WAVE when a request goes to one
+            of them, follow ``wave_complete``/``start_wave``. Only for engines that
+            run DP waves (without a coordinator); others log each START_DP_WAVE.
 
     Raises:
         EngineStartupError: an engine exited during startup (exit code and its last
@@ -985,9 +1400,12 @@ async def open_client(
     """
     if stream_buffer < 1:
         raise ValueError(f"stream_buffer must be at least 1, got {stream_buffer}")
+    if on_engine_death not in ("fail", "continue"):
+        raise ValueError(f"on_engine_death must be 'fail' or 'continue', got {on_engine_death!r}")
     timeout = _default_ready_timeout() if ready_timeout is None else ready_timeout
-    layout = engines.layout()
-    ranks = engines.ranks
+    source_set = _SourceSet(engines)
+    layouts = [source.layout() for source in source_set.sources]
+    ranks = source_set.ranks
     context: zmq.Context[Any] = zmq.Context(io_threads=2)
     ipc_dir = PrivateIpcDir()
     sockets: list[AsyncSocket] = []
@@ -997,7 +1415,8 @@ async def open_client(
     unbounded: dict[int, int | bytes | str] = {zmq.RCVHWM: 0, zmq.SNDHWM: 0}
     try:
         monitor_socket: AsyncSocket | None = None
-        if layout.watch_disconnects:
+        watched: dict[str, list[int]] = {}
+        if any(layout.watch_disconnects for layout in layouts):
             # The monitor is attached before the socket is wrapped (and bound): the
             # wrapper must be the only user of the socket afterwards.
             raw = context.socket(zmq.ROUTER)
@@ -1023,27 +1442,64 @@ async def open_client(
         sockets.append(output_socket)
         handshake_socket = AsyncSocket.create(context, zmq.ROUTER, options=unbounded)
         sockets.append(handshake_socket)
-        if layout.data_host is None:
-            input_address = _bind(input_socket, ipc_dir.endpoint("input"), "input")
-            output_address = _bind(output_socket, ipc_dir.endpoint("output"), "output")
-        else:
-            bind = tcp_endpoint(layout.data_bind_host or layout.data_host, 0)
-            input_address = _advertised(_bind(input_socket, bind, "input"), layout.data_host)
-            output_address = _advertised(_bind(output_socket, bind, "output"), layout.data_host)
-        if layout.handshake_bind is None:
-            handshake_address = _bind(handshake_socket, ipc_dir.endpoint("handshake"), "handshake")
-        else:
-            handshake_address = _bind(handshake_socket, layout.handshake_bind, "handshake")
-            if layout.data_host is not None:
-                handshake_address = _advertised(handshake_address, layout.data_host)
+        # One input ROUTER and one output PULL serve every engine (ROUTER routes by
+        # identity whatever endpoint a peer came through); each source's engines are
+        # given endpoints bound where they can reach them. Watched (external) sources
+        # get endpoints of their own so that a dropped connection names its ranks.
+        data: dict[tuple[str | None, str | None, bool], tuple[str, str, str]] = {}
+        handshake_binds: dict[str, str] = {}
+        parts: list[ClientHandshake] = []
+        source_handshakes: list[str] = []
+        for source, layout in zip(source_set.sources, layouts, strict=True):
+            key = (layout.data_host, layout.data_bind_host, layout.watch_disconnects)
+            if key not in data:
+                if layout.data_host is None:
+                    n = len(data)
+                    bound_in = _bind(input_socket, ipc_dir.endpoint(f"input{n or ''}"), "input")
+                    data[key] = (
+                        bound_in,
+                        bound_in,
+                        _bind(output_socket, ipc_dir.endpoint(f"output{n or ''}"), "output"),
+                    )
+                else:
+                    bind = tcp_endpoint(layout.data_bind_host or layout.data_host, 0)
+                    bound_in = _bind(input_socket, bind, "input")
+                    data[key] = (
+                        bound_in,
+                        _advertised(bound_in, layout.data_host),
+                        _advertised(_bind(output_socket, bind, "output"), layout.data_host),
+                    )
+            bound_in, source_input, source_output = data[key]
+            if layout.watch_disconnects:
+                watched.setdefault(bound_in, []).extend(source.ranks)
+            wanted = layout.handshake_bind or "ipc"
+            if wanted in handshake_binds and not wanted.endswith(":0"):
+                source_handshake = handshake_binds[wanted]
+            else:
+                if layout.handshake_bind is None:
+                    source_handshake = _bind(
+                        handshake_socket, ipc_dir.endpoint("handshake"), "handshake"
+                    )
+                else:
+                    source_handshake = _bind(handshake_socket, layout.handshake_bind, "handshake")
+                    if layout.data_host is not None:
+                        source_handshake = _advertised(source_handshake, layout.data_host)
+                handshake_binds[wanted] = source_handshake
+            source_handshakes.append(source_handshake)
+            parts.append(
+                ClientHandshake(
+                    source.ranks,
+                    inputs=[source_input],
+                    outputs=[source_output],
+                    expect_local=layout.expect_local,
+                    expect_headless=layout.expect_headless,
+                )
+            )
+        first_data = next(iter(data.values()))
+        input_address, output_address = first_data[1], first_data[2]
+        handshake_address = source_handshakes[0]
         startup = _Startup(
-            handshake=ClientHandshake(
-                ranks,
-                inputs=[input_address],
-                outputs=[output_address],
-                expect_local=layout.expect_local,
-                expect_headless=layout.expect_headless,
-            ),
+            handshake=_Handshakes(parts),
             done=anyio.Event(),
             started_at=time.monotonic(),
             on_progress=on_progress,
@@ -1059,13 +1515,16 @@ async def open_client(
                         startup.exited = process
                         startup.fail(EngineStartupError(process.describe_exit()))
 
-                try:
-                    processes.extend(await engines.spawn(handshake_address))
-                except OSError as exc:
-                    raise EngineStartupError(
-                        f"cannot start {engines.describe()}: {exc}. Check the python "
-                        "executable and the command line."
-                    ) from exc
+                for source, source_handshake in zip(
+                    source_set.sources, source_handshakes, strict=True
+                ):
+                    try:
+                        processes.extend(await source.spawn(source_handshake))
+                    except OSError as exc:
+                        raise EngineStartupError(
+                            f"cannot start {source.describe()}: {exc}. Check the python "
+                            "executable and the command line."
+                        ) from exc
                 for process in processes:
                     tg.start_soon(process.watch, on_exit)
                 tg.start_soon(_serve_handshake, startup, handshake_socket, input_socket)
@@ -1075,7 +1534,7 @@ async def open_client(
                 if startup.complete is None:
                     error = _startup_error(
                         startup,
-                        engines,
+                        source_set,
                         processes,
                         timed_out=timeout if waited.cancelled_caught else None,
                     )
@@ -1091,7 +1550,7 @@ async def open_client(
                     )
                 except ProtocolError as exc:
                     raise EngineStartupError(
-                        f"cannot talk to {engines.describe()}: {exc}. Pin a profile with "
+                        f"cannot talk to {source_set.describe()}: {exc}. Pin a profile with "
                         "open_client(profile=...) only if you know the wire layout matches."
                     ) from exc
                 wire.set_limits(complete.ready_responses)
@@ -1101,13 +1560,24 @@ async def open_client(
                     ready_responses=complete.ready_responses,
                     wire=wire,
                     stream_buffer=stream_buffer,
+                    on_engine_death=on_engine_death,
+                    waves=waves,
                 )
                 client._processes = list(processes)
+                client._endpoint_ranks = watched
+                client._shutdown_grace = shutdown_grace
                 client._addresses = {
                     "input": input_address,
                     "output": output_address,
                     "handshake": handshake_address,
                 }
+                for i, (_bound, advertised_in, advertised_out) in enumerate(data.values()):
+                    if i:
+                        client._addresses[f"input{i}"] = advertised_in
+                        client._addresses[f"output{i}"] = advertised_out
+                for i, source_handshake in enumerate(source_handshakes):
+                    if i:
+                        client._addresses[f"handshake{i}"] = source_handshake
                 started_client.append(client)
                 # An engine may have exited between READY and now.
                 for process in processes:

@@ -109,6 +109,9 @@ class Wire:
     ) -> list[Any]:
         return self._codec.encode_utility(client_index, call_id, method, args)
 
+    def encode_start_dp_wave(self, wave: int, exclude: int | None) -> list[Any]:
+        return self._codec.encode_start_dp_wave(wave, exclude)
+
     # -- outputs --------------------------------------------------------------------
 
     def decode_outputs(self, frames: Sequence[Any]) -> EngineCoreOutputs | None:
