@@ -19,7 +19,9 @@ Prints messages/s, outputs/s and ``ratio = engine / anchor`` for the same messag
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -76,8 +78,12 @@ def _sample_message(batch: int) -> bytes:
     outs = EngineCoreOutputs(
         0,
         [EngineCoreOutput("req-1", [104]) for _ in range(batch)],
-        SchedulerStats(num_running_reqs=1, step_counter=7, kv_cache_usage=0.01,
-                       prefix_cache_stats=PrefixCacheStats()),
+        SchedulerStats(
+            num_running_reqs=1,
+            step_counter=7,
+            kv_cache_usage=0.01,
+            prefix_cache_stats=PrefixCacheStats(),
+        ),
         weight_version="default",
     )
     frames = EngineCodec(profile_for_version("0.32.0")).encode_outputs(outs)
@@ -101,6 +107,8 @@ def run_anchor(batch: int, seconds: float) -> dict[str, Any]:
         proc.wait()
         pull.close()
         ctx.term()
+        with contextlib.suppress(OSError):
+            os.unlink(addr[len("ipc://"):])
     return {"msgs_per_s": n / seconds, "outputs_per_s": n * batch / seconds, "bytes": size}
 
 
@@ -113,24 +121,42 @@ def run_engine(args: list[str], requests: int, batch: int, seconds: float) -> di
         sock.setsockopt(zmq.LINGER, 0)
         addrs[name] = _addr()
         sock.bind(addrs[name])
-    cmd = [sys.executable, "-m", "trio_vllm.reference_engine", "--model", "echo",
-           "--handshake-address", addrs["hs"], "--max-model-len", "100000000", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trio_vllm.reference_engine",
+        "--model",
+        "echo",
+        "--handshake-address",
+        addrs["hs"],
+        "--max-model-len",
+        "100000000",
+        *args,
+    ]
     proc = subprocess.Popen(cmd)
     codec = ClientCodec(profile_for_version("0.32.0"))
     try:
         if not hs.poll(30_000):
             raise TimeoutError("no HELLO")
         ident, _ = hs.recv_multipart()
-        hs.send_multipart([ident, encode_handshake_metadata(EngineHandshakeMetadata(
-            EngineZmqAddresses([addrs["in"]], [addrs["out"]])))])
+        hs.send_multipart(
+            [
+                ident,
+                encode_handshake_metadata(
+                    EngineHandshakeMetadata(EngineZmqAddresses([addrs["in"]], [addrs["out"]]))
+                ),
+            ]
+        )
         inp = socks[zmq.ROUTER]
         if not inp.poll(30_000):
             raise TimeoutError("no ready response")
         inp.recv_multipart()
         for i in range(requests):
-            req = EngineCoreRequest(f"bench-{i}", prompt_token_ids=list(b"hello world"),
-                                    sampling_params=SamplingParams(max_tokens=10**9,
-                                                                   temperature=0.0))
+            req = EngineCoreRequest(
+                f"bench-{i}",
+                prompt_token_ids=list(b"hello world"),
+                sampling_params=SamplingParams(max_tokens=10**9, temperature=0.0),
+            )
             inp.send_multipart([ident, *codec.encode_add(req)])
         n, size = _count(socks[zmq.PULL], seconds)
     finally:
@@ -139,6 +165,9 @@ def run_engine(args: list[str], requests: int, batch: int, seconds: float) -> di
         for sock in (*socks.values(), hs):
             sock.close()
         ctx.term()
+        for address in addrs.values():
+            with contextlib.suppress(OSError):
+                os.unlink(address[len("ipc://"):])
     return {"msgs_per_s": n / seconds, "outputs_per_s": n * batch / seconds, "bytes": size}
 
 
@@ -160,22 +189,28 @@ def main() -> None:
             anchors[batch] = run_anchor(batch, opts.seconds)
         engine = run_engine(args, requests, batch, opts.seconds)
         anchor = anchors[batch]
-        results.append({
-            "case": name,
-            "engine_msgs_per_s": round(engine["msgs_per_s"]),
-            "engine_outputs_per_s": round(engine["outputs_per_s"]),
-            "anchor_msgs_per_s": round(anchor["msgs_per_s"]),
-            "message_bytes": engine["bytes"],
-            "ratio": engine["msgs_per_s"] / anchor["msgs_per_s"],
-        })
+        results.append(
+            {
+                "case": name,
+                "engine_msgs_per_s": round(engine["msgs_per_s"]),
+                "engine_outputs_per_s": round(engine["outputs_per_s"]),
+                "anchor_msgs_per_s": round(anchor["msgs_per_s"]),
+                "message_bytes": engine["bytes"],
+                "ratio": engine["msgs_per_s"] / anchor["msgs_per_s"],
+            }
+        )
     if opts.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"{'case':<14}{'engine msg/s':>14}{'outputs/s':>12}{'anchor msg/s':>14}"
-          f"{'bytes':>8}{'ratio':>8}")
+    print(
+        f"{'case':<14}{'engine msg/s':>14}{'outputs/s':>12}{'anchor msg/s':>14}"
+        f"{'bytes':>8}{'ratio':>8}"
+    )
     for r in results:
-        print(f"{r['case']:<14}{r['engine_msgs_per_s']:>14}{r['engine_outputs_per_s']:>12}"
-              f"{r['anchor_msgs_per_s']:>14}{r['message_bytes']:>8}{r['ratio']:>8.2f}")
+        print(
+            f"{r['case']:<14}{r['engine_msgs_per_s']:>14}{r['engine_outputs_per_s']:>12}"
+            f"{r['anchor_msgs_per_s']:>14}{r['message_bytes']:>8}{r['ratio']:>8.2f}"
+        )
 
 
 if __name__ == "__main__":

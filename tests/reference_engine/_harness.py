@@ -100,6 +100,7 @@ class Frontend:
         self.protocol = protocol
         self.codec = ClientCodec(profile_for_version(protocol))
         self.ctx = zmq.Context()
+        self._ipc_paths: list[str] = []  # libzmq leaves bound ipc files behind
         self.index = index
         self.identity = index.to_bytes(2, "little")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -120,6 +121,8 @@ class Frontend:
             self.coord_pull = self._bind(zmq.PULL, transport, "cpull")
         self.handshake_sock: zmq.Socket[bytes] | None = None
         self.control_addr = ipc_address("ctl") if control else None
+        if self.control_addr:  # the engine binds it; a killed engine cannot remove it
+            self._ipc_paths.append(self.control_addr[len("ipc://"):])
         self._control: zmq.Socket[bytes] | None = None
         cmd = [sys.executable, "-m", "trio_vllm.reference_engine", "--index", str(index),
                "--protocol", protocol, "--model", model]
@@ -157,7 +160,9 @@ class Frontend:
         if transport == "tcp":
             sock.bind("tcp://127.0.0.1:0")
         else:
-            sock.bind(ipc_address(tag))
+            address = ipc_address(tag)
+            sock.bind(address)
+            self._ipc_paths.append(address[len("ipc://"):])
         return sock
 
     # ---- lifecycle ----
@@ -240,6 +245,9 @@ class Frontend:
             if sock is not None:
                 sock.close(linger=0)
         self.ctx.term()
+        for path in self._ipc_paths:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         self._stderr.close()
         with contextlib.suppress(OSError):
             os.unlink(self.stderr_path)

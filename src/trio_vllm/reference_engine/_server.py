@@ -170,6 +170,11 @@ class EngineServer:
         self.ctx.term()
         self._wake_r.close()
         self._wake_w.close()
+        control = self.options.control_address
+        if control is not None and control.startswith("ipc://"):
+            # The engine bound it; libzmq does not remove ipc files on close.
+            with contextlib.suppress(OSError):
+                os.unlink(control[len("ipc://"):])
 
     def _die(self) -> int:
         """vLLM's fatal path: ENGINE_CORE_DEAD on every output socket, linger, exit 1."""
