@@ -12,6 +12,7 @@ import select
 import signal
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import anyio
 import pytest
@@ -21,6 +22,9 @@ from trio_vllm.client import EngineCoreClient, ReferenceEngines, make_request, o
 
 from .conftest import child_pids
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 pytestmark = pytest.mark.anyio
 
 # Budget for "promptly": the 100 ms of the specification, counted from the moment the
@@ -29,8 +33,12 @@ pytestmark = pytest.mark.anyio
 PROMPT_S = 0.1
 
 
-def _watch_exit(pid: int) -> list[float]:
-    """Start a thread that records when ``pid``'s exit becomes observable (pidfd)."""
+def _watch_exit(pid: int) -> Callable[[], float]:
+    """Start a thread that records when ``pid``'s exit becomes observable (pidfd).
+
+    Returns a function giving that time; it joins the thread first, since the client
+    can notice the exit (and the test go on) before the watcher thread gets the GIL.
+    """
     fd = os.pidfd_open(pid)
     seen: list[float] = []
 
@@ -41,8 +49,15 @@ def _watch_exit(pid: int) -> list[float]:
         finally:
             os.close(fd)
 
-    threading.Thread(target=wait, name="test-pidfd-watch", daemon=True).start()
-    return seen
+    thread = threading.Thread(target=wait, name="test-pidfd-watch", daemon=True)
+    thread.start()
+
+    def observed_at() -> float:
+        thread.join(timeout=10)
+        assert seen, f"the exit of pid {pid} was never observed"
+        return seen[0]
+
+    return observed_at
 
 
 async def _assert_every_call_raises(client: EngineCoreClient) -> None:
@@ -103,9 +118,10 @@ async def test_kill_wakes_every_waiter_promptly() -> None:
                 observable = _watch_exit(pid)
                 killed_at.append(time.monotonic())
                 os.kill(pid, signal.SIGKILL)
-        delays = {k: v - observable[0] for k, v in raised.items()}
+        exited_at = observable()
+        delays = {k: v - exited_at for k, v in raised.items()}
         print(
-            f"exit observable {observable[0] - killed_at[0]:.4f} s after SIGKILL; "
+            f"exit observable {exited_at - killed_at[0]:.4f} s after SIGKILL; "
             f"waiters raised after (s): {delays}"
         )
         assert set(delays) == {"stream", "utility", "get_output", "wait_dead"}
@@ -123,7 +139,8 @@ async def test_death_before_any_request_is_noticed() -> None:
         os.kill(pid, signal.SIGKILL)
         with anyio.fail_after(5):
             error = await client.wait_dead()
-        delay = time.monotonic() - observable[0]
+        noticed_at = time.monotonic()
+        delay = noticed_at - observable()
         print(f"death noticed {delay * 1000:.1f} ms after the exit, no request sent")
         assert delay < PROMPT_S
         assert error.rank == 0
