@@ -114,11 +114,13 @@ class WaveTracker:
 
     ``current_wave`` is the wave the engines run or will run next; ``running`` is
     whether the client believes they run. Race (PROTOCOL.md §7.4): a request sent
-    while the client believed wave ``w`` running may reach its engine after every rank
-    agreed that ``w`` is over; that engine would then step alone. So when
-    ``wave_complete(w)`` arrives while the client still has requests in flight, a
-    new wave is started on every rank at once (a spurious wave is harmless: it ends
-    after one idle check).
+    while the client believed wave ``w`` running (so no START_DP_WAVE went out) may
+    reach its engine after every rank agreed that ``w`` is over; that engine would then
+    step alone. So when ``wave_complete(w)`` arrives, requests were sent during ``w``
+    and some are still in flight, a new wave is started on every rank at once (a
+    spurious wave is harmless: it ends after one idle check). Requests sent while the
+    engines were believed idle came with their own START_DP_WAVE and never restart a
+    wave, so engines that end waves on their own cannot make the client loop.
     """
 
     def __init__(self, ranks: Iterable[int]) -> None:
@@ -126,6 +128,7 @@ class WaveTracker:
         self.current_wave = 0
         self.running = False
         self.waves_started = 0
+        self._sent_while_running = 0
 
     def set_ranks(self, ranks: Iterable[int]) -> None:
         self._ranks = sorted(set(ranks))
@@ -133,7 +136,9 @@ class WaveTracker:
     def on_add(self, target: int) -> StartWave | None:
         """A request is about to go to ``target``: wake the other ranks if idle."""
         if self.running:
+            self._sent_while_running += 1
             return None
+        self._sent_while_running = 0
         self.running = True
         self.waves_started += 1
         others = tuple(r for r in self._ranks if r != target)
@@ -145,7 +150,8 @@ class WaveTracker:
             return None  # another rank already reported it (every rank does, §7.5)
         self.current_wave = wave + 1
         self.running = False
-        if not requests_in_flight:
+        late, self._sent_while_running = self._sent_while_running, 0
+        if not (late and requests_in_flight):
             return None
         self.running = True
         self.waves_started += 1
@@ -157,6 +163,7 @@ class WaveTracker:
             self.current_wave = wave
             self.running = True
             self.waves_started += 1
+            self._sent_while_running = 0
             others = tuple(r for r in self._ranks if r != sender)
             return StartWave(wave, sender, others) if others else None
         return None

@@ -1,0 +1,38 @@
+"""Engine sources for the data-parallel tests."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from trio_vllm.client import ReferenceEngines
+
+COUNTING_ENGINE = str(Path(__file__).with_name("_counting_engine.py"))
+
+
+class CountingEngines(ReferenceEngines):
+    """Reference engines that also report what they received (``dp_counts``)."""
+
+    def __init__(self, count: int = 1, **kwargs: Any) -> None:
+        kwargs.setdefault("model", "echo")
+        super().__init__(count, **kwargs)
+
+    def command(self, handshake_address: str, rank: int) -> list[str]:
+        cmd = super().command(handshake_address, rank)
+        return [sys.executable, COUNTING_ENGINE, *cmd[3:]]
+
+
+def counting_command(handshake_address: str, rank: int, *extra: str) -> list[str]:
+    """The command line of one counting engine started by hand (external engines)."""
+    return [
+        sys.executable,
+        COUNTING_ENGINE,
+        "--handshake-address",
+        handshake_address,
+        "--index",
+        str(rank),
+        "--model",
+        "echo",
+        *extra,
+    ]

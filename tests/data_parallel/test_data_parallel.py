@@ -1,0 +1,278 @@
+"""Data parallel with real reference-engine processes: balance, abort routing, death of
+one rank in both modes, waves, engine events, scale down.
+
+Engine-side facts come from the engines themselves (``dp_counts`` of the counting
+engine: every ADD and ABORT id it received), not from the client's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import pytest
+
+from trio_vllm import EngineDeadError
+from trio_vllm.client import EngineCoreClient, make_request, open_client
+
+from .conftest import CountingEngines
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+pytestmark = pytest.mark.anyio
+
+LONG = 100_000
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    """Poll a condition that other tasks make true (kept simple: tests only)."""
+    while not predicate():  # noqa: ASYNC110
+        await anyio.sleep(0.01)
+
+
+async def _counts(client: EngineCoreClient) -> dict[int, dict[str, Any]]:
+    with anyio.fail_after(30):
+        results = await client.call_utility_all("dp_counts")
+    return {r["rank"]: r for r in results}
+
+
+async def test_2000_requests_spread_evenly_and_aborts_reach_only_the_owner() -> None:
+    n = 2000
+    async with open_client(CountingEngines(4), ready_timeout=60) as client:
+        served: dict[str, int] = {}
+        aborted: dict[str, int] = {}
+        wrong: list[str] = []
+        go = anyio.Event()
+
+        async def one(i: int) -> None:
+            prompt = [i % 50 + 1]
+            abort = i % 10 == 0
+            request = make_request(
+                prompt, max_tokens=LONG if abort else 4, request_id=f"r{i}"
+            )
+            async with client.generate(request) as stream:
+                served[request.request_id] = stream.rank
+                await go.wait()
+                if abort:
+                    first = await stream.receive()
+                    aborted[request.request_id] = stream.rank
+                    if first.new_token_ids[:1] != prompt:
+                        wrong.append(request.request_id)
+                    return  # leaving the block early aborts on the owner
+                if await stream.collect() != prompt * 4:
+                    wrong.append(request.request_id)
+
+        with anyio.fail_after(90):
+            async with anyio.create_task_group() as tg:
+                for i in range(n):
+                    tg.start_soon(one, i)
+                await _until(lambda: len(served) == n)
+                go.set()
+        assert not wrong
+        assert client.in_flight == dict.fromkeys(range(4), 0)
+        counts = await _counts(client)
+        for rank in range(4):
+            mine = {rid for rid, r in served.items() if r == rank}
+            assert abs(len(mine) - n / 4) <= 0.1 * n / 4
+            assert sorted(counts[rank]["added"]) == sorted(mine)
+            # Each engine got the ABORT of its own aborted requests, and nothing else.
+            assert sorted(counts[rank]["aborted"]) == sorted(
+                rid for rid, r in aborted.items() if r == rank
+            )
+        assert len(aborted) == n // 10
+
+
+async def test_pinned_rank_and_data_parallel_rank_field() -> None:
+    async with open_client(CountingEngines(3), ready_timeout=60) as client:
+        async with client.generate(make_request([5], max_tokens=2), rank=2) as stream:
+            assert stream.rank == 2
+            assert await stream.collect() == [5, 5]
+        request = make_request([6], max_tokens=2, data_parallel_rank=1, request_id="pin")
+        async with client.generate(request) as stream:
+            assert stream.rank == 1
+            await stream.collect()
+        counts = await _counts(client)
+        assert "pin" in counts[1]["added"]
+        with pytest.raises(ValueError, match="no engine with rank 7"):
+            await client.call_utility("dp_counts", rank=7)
+
+
+async def test_call_utility_all_gathers_results_and_errors() -> None:
+    engines = CountingEngines(3, faults=["--fail-utility", "get_weight_version"])
+    async with open_client(engines, ready_timeout=60) as client:
+        with anyio.fail_after(30):
+            results = await client.call_utility_all("get_weight_version", return_exceptions=True)
+            assert len(results) == 3
+            assert all(type(r).__name__ == "UtilityCallError" for r in results)
+            assert [r.rank for r in results] == [0, 1, 2]
+            echoes = await client.call_utility_all(
+                "collective_rpc", "echo", None, [1], None, return_exceptions=True
+            )
+        assert echoes == [[[1]]] * 3
+
+
+async def _start_long(client: EngineCoreClient, tg: Any, n: int, out: dict[str, Any]) -> None:
+    async def one(i: int) -> None:
+        request = make_request([i + 1], max_tokens=LONG, request_id=f"long{i}")
+        try:
+            async with client.generate(request) as stream:
+                out[request.request_id] = stream.rank
+                async for _ in stream:
+                    pass
+        except EngineDeadError as exc:
+            out[request.request_id] = exc
+
+    for i in range(n):
+        tg.start_soon(one, i)
+    await _until(lambda: len(out) == n)
+
+
+async def test_killing_one_of_four_ranks_fails_the_client_by_default() -> None:
+    async with open_client(CountingEngines(4), ready_timeout=60) as client:
+        out: dict[str, Any] = {}
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                await _start_long(client, tg, 8, out)
+                os.kill(client.engine_pids[2], signal.SIGKILL)
+                error = await client.wait_dead()
+        assert error.rank == 2
+        assert "engine process died" in str(error)
+        assert all(isinstance(v, EngineDeadError) for v in out.values())
+        with pytest.raises(EngineDeadError):
+            await client.call_utility("dp_counts", rank=0)
+
+
+async def test_killing_one_of_four_ranks_with_continue_keeps_the_rest() -> None:
+    async with open_client(
+        CountingEngines(4), ready_timeout=60, on_engine_death="continue"
+    ) as client:
+        out: dict[str, Any] = {}
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                await _start_long(client, tg, 8, out)
+                owners = dict(out)
+                os.kill(client.engine_pids[2], signal.SIGKILL)
+                event = await client.engine_events.receive()
+                assert event.kind == "rank_lost"
+                assert event.rank == 2
+                assert sorted(event.payload["requests"]) == sorted(
+                    rid for rid, r in owners.items() if r == 2
+                )
+                # The dead rank's streams failed with its rank; the others still run.
+                lost = [rid for rid, r in owners.items() if r == 2]
+                assert lost
+                # The failed streams' tasks get to run.
+                await _until(lambda: all(isinstance(out[rid], EngineDeadError) for rid in lost))
+                for rid, rank in owners.items():
+                    if rank == 2:
+                        assert isinstance(out[rid], EngineDeadError)
+                        assert out[rid].rank == 2
+                    else:
+                        assert out[rid] == rank
+                assert client.live_ranks == [0, 1, 3]
+                assert not client.dead
+                # New requests go to the survivors; the dead rank can't be pinned.
+                for _ in range(6):
+                    async with client.generate(make_request([9], max_tokens=2)) as stream:
+                        assert stream.rank != 2
+                        assert await stream.collect() == [9, 9]
+                with pytest.raises(ValueError, match="no longer serves"):
+                    await client.call_utility("dp_counts", rank=2)
+                counts = await _counts(client)
+                assert sorted(counts) == [0, 1, 3]
+                await client.abort_requests(list(owners))
+                tg.cancel_scope.cancel()
+        assert client.lost_ranks.keys() == {2}
+
+
+async def test_client_wakes_idle_moe_ranks_with_start_dp_wave() -> None:
+    engines = CountingEngines(3, extra_args=["--moe", "--data-parallel-size", "3"])
+    async with open_client(engines, ready_timeout=60, waves=True) as client:
+        with anyio.fail_after(30):
+            await client.add_request(make_request([1], max_tokens=3, request_id="w0"), rank=0)
+            # Ranks 1 and 2 had no request: only the START_DP_WAVE the client sent them
+            # makes them run a wave, which each ends with wave_complete (no coordinator).
+            completed: dict[int, int] = {}
+            finished = False
+            while len(completed) < 3 or not finished:
+                batch = await client.get_output()
+                if batch.wave_complete is not None:
+                    completed.setdefault(batch.engine_index, batch.wave_complete)
+                finished = finished or any(o.finish_reason is not None for o in batch.outputs)
+        # Ranks 1 and 2 ran wave 0 only because the client woke them (see the next
+        # test). The reference engine has no cross-rank collective, so they end it
+        # while rank 0 still works; the client does not restart a wave for that (the
+        # request went out with its own START_DP_WAVE).
+        assert completed == {0: 0, 1: 0, 2: 0}
+        assert client.current_wave == 1
+        assert client.waves_started == 1
+
+
+async def test_without_waves_idle_moe_ranks_stay_idle() -> None:
+    engines = CountingEngines(2, extra_args=["--moe", "--data-parallel-size", "2"])
+    async with open_client(engines, ready_timeout=60) as client:
+        with anyio.fail_after(30):
+            await client.add_request(make_request([1], max_tokens=3, request_id="w0"), rank=0)
+            ranks: set[int] = set()
+            while 0 not in ranks:
+                batch = await client.get_output()
+                if batch.wave_complete is not None:
+                    ranks.add(batch.engine_index)
+            with anyio.move_on_after(0.5):
+                while True:
+                    batch = await client.get_output()
+                    if batch.wave_complete is not None:
+                        ranks.add(batch.engine_index)
+        assert ranks == {0}
+        assert client.current_wave is None
+
+
+async def test_elastic_ep_notice_is_an_event_not_a_reply() -> None:
+    async with open_client(CountingEngines(2), ready_timeout=60) as client:
+        with anyio.fail_after(30):
+            assert await client.call_utility("emit_eep", "RECONFIGURE_FINISHED", rank=1)
+            event = await client.engine_events.receive()
+        assert (event.kind, event.rank, event.payload) == (
+            "elastic_ep",
+            1,
+            ["RECONFIGURE_FINISHED", 1],
+        )
+        assert client.pending_utility_calls == 0
+        with pytest.raises(anyio.WouldBlock):
+            client.engine_events.receive_nowait()
+    assert [e async for e in client.engine_events] == []
+
+
+async def test_retire_rank_aborts_or_drains_and_stops_the_engine() -> None:
+    async with open_client(CountingEngines(3), ready_timeout=60) as client:
+        pid = client.engine_pids[1]
+        with anyio.fail_after(30):
+            async with client.generate(
+                make_request([4], max_tokens=LONG, request_id="stay"), rank=1
+            ) as stream:
+                await stream.receive()
+                await client.retire_rank(1, drain=False)
+                assert stream.aborted
+            event = await client.engine_events.receive()
+            assert (event.kind, event.rank) == ("rank_retired", 1)
+            assert client.live_ranks == [0, 2]
+            assert not client.dead
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+            for _ in range(4):
+                async with client.generate(make_request([2], max_tokens=2)) as s:
+                    assert s.rank in (0, 2)
+                    await s.collect()
+            # Draining: returns once the rank's request finished by itself.
+            async with (
+                client.generate(make_request([3], max_tokens=50), rank=2) as s2,
+                anyio.create_task_group() as tg,
+            ):
+                tg.start_soon(client.retire_rank, 2)
+                assert await s2.collect() == [3] * 50
+            assert client.live_ranks == [0]
+            with pytest.raises(ValueError, match="last live engine"):
+                await client.retire_rank(0)
