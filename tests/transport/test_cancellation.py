@@ -272,3 +272,25 @@ async def test_receive_batch_is_a_checkpoint_even_when_messages_wait(
         finally:
             push.close()
     assert ticks >= 50
+
+
+async def test_cancelled_receive_on_idle_socket_leaves_no_waiter(ctx: zmq.Context[Any]) -> None:
+    """On an idle socket the fd wait is the receive's checkpoint: cancellable at once."""
+    with AsyncSocket.create(ctx, zmq.PULL) as pull:
+        push = _raw_push(ctx, pull.bind_ipc())
+        try:
+            with anyio.fail_after(5):
+                for receive in (pull.receive, pull.receive_batch):
+                    with anyio.CancelScope() as scope:
+                        scope.cancel()
+                        await receive()
+                    assert scope.cancelled_caught
+                    assert pull.waiting_tasks == 0
+                    with anyio.move_on_after(0.01) as scope:
+                        await receive()
+                    assert scope.cancelled_caught
+                    assert pull.waiting_tasks == 0
+                push.send(b"later")
+                assert await pull.receive_batch() == [[b"later"]]
+        finally:
+            push.close()
