@@ -1,0 +1,95 @@
+"""Data parallel over "hosts": engines started on their own, reached over TCP on distinct
+loopback addresses (127.0.0.2, 127.0.0.3: each its own handshake, input and output
+endpoints, as if on two machines), plus a locally spawned engine, behind one client.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from typing import Any
+
+import anyio
+import anyio.abc
+import pytest
+
+from trio_vllm.client import ExternalEngines, make_request, open_client
+
+from .conftest import CountingEngines, counting_command
+
+pytestmark = pytest.mark.anyio
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def test_engines_on_two_hosts_and_a_local_one() -> None:
+    host_a, host_b = "127.0.0.2", "127.0.0.3"
+    handshake_a = f"tcp://{host_a}:{_free_port(host_a)}"
+    handshake_b = f"tcp://{host_b}:{_free_port(host_b)}"
+    processes: list[anyio.abc.Process] = []
+    try:
+        # "Host A" runs ranks 0-1, "host B" rank 2, as `vllm serve --headless
+        # --data-parallel-start-rank R --data-parallel-address HOST` would.
+        for address, rank in [(handshake_a, 0), (handshake_a, 1), (handshake_b, 2)]:
+            processes.append(
+                await anyio.open_process(
+                    counting_command(address, rank),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=None,
+                )
+            )
+        sources = [
+            ExternalEngines(handshake_a, count=2),
+            ExternalEngines(handshake_b, count=1, start_rank=2),
+            CountingEngines(1, start_rank=3),
+        ]
+        async with open_client(sources, ready_timeout=60, on_engine_death="continue") as client:
+            assert client.ranks == [0, 1, 2, 3]
+            addresses = client.addresses
+            assert addresses["handshake"] == handshake_a
+            assert addresses["handshake1"] == handshake_b
+            assert addresses["input"].startswith(f"tcp://{host_a}:")
+            assert addresses["output"].startswith(f"tcp://{host_a}:")
+            assert addresses["input1"].startswith(f"tcp://{host_b}:")
+            assert addresses["input2"].startswith("ipc://")
+            served: dict[str, int] = {}
+
+            async def one(i: int) -> None:
+                request = make_request([i % 9 + 1], max_tokens=3, request_id=f"m{i}")
+                async with client.generate(request) as stream:
+                    served[request.request_id] = stream.rank
+                    assert await stream.collect() == [i % 9 + 1] * 3
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    for i in range(400):
+                        tg.start_soon(one, i)
+                counts = {r["rank"]: r for r in await client.call_utility_all("dp_counts")}
+            for rank in range(4):
+                mine = sorted(rid for rid, r in served.items() if r == rank)
+                assert sorted(counts[rank]["added"]) == mine
+                assert 80 <= len(mine) <= 120
+            # Host B's engine goes away: its dropped connection names rank 2.
+            processes[2].kill()
+            with anyio.fail_after(30):
+                event = await client.engine_events.receive()
+                assert (event.kind, event.rank) == ("rank_lost", 2)
+                assert "lost the connection" in event.payload["message"]
+                assert client.live_ranks == [0, 1, 3]
+                results: dict[int, Any] = {}
+                for rank in (0, 1, 3):
+                    async with client.generate(make_request([7], max_tokens=2), rank=rank) as s:
+                        results[rank] = await s.collect()
+            assert results == {0: [7, 7], 1: [7, 7], 3: [7, 7]}
+    finally:
+        with anyio.CancelScope(shield=True):
+            for process in processes:
+                if process.returncode is None:
+                    process.kill()
+                await process.aclose()
