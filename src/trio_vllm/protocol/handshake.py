@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from .._exceptions import ProtocolError
+from .codec import encode_handshake_metadata
+from .structs import EngineHandshakeMetadata, EngineZmqAddresses
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -86,17 +88,18 @@ def encode_init_metadata(
     for address in (*inputs, *outputs):
         if "0.0.0.0" in address or "://*" in address:
             raise ValueError(f"never advertise a wildcard address to engines: {address!r}")
-    message = {
-        "addresses": {
-            "inputs": list(inputs),
-            "outputs": list(outputs),
-            "coordinator_input": coordinator_input,
-            "coordinator_output": coordinator_output,
-            "frontend_stats_publish_address": frontend_stats_publish_address,
-        },
-        "parallel_config": dict(parallel_config or {}),
-    }
-    return msgspec.msgpack.encode(message)
+    # One encoder for the wire format: the codec's (same field order as vLLM's structs).
+    metadata = EngineHandshakeMetadata(
+        addresses=EngineZmqAddresses(
+            inputs=list(inputs),
+            outputs=list(outputs),
+            coordinator_input=coordinator_input,
+            coordinator_output=coordinator_output,
+            frontend_stats_publish_address=frontend_stats_publish_address,
+        ),
+        parallel_config=dict(parallel_config or {}),
+    )
+    return encode_handshake_metadata(metadata)
 
 
 class HandshakeState(enum.Enum):
