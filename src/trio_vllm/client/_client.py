@@ -1016,9 +1016,15 @@ class EngineCoreClient:
                         ]
                         if not ranks and self._endpoint_ranks.get(endpoint):
                             continue  # a retired or already lost engine
-                        # Several engines behind one endpoint: the connection does not
-                        # say which one left, so the client cannot go on without it.
-                        self._rank_died(ranks[0] if len(ranks) == 1 else None, message)
+                        if self._on_engine_death == "continue" and ranks:
+                            # Several engines of one source behind this endpoint: the
+                            # connection does not say which left, and a headless vLLM
+                            # launcher stops all its engines when one dies (§2.3), so
+                            # the source is the unit that is lost.
+                            for rank in ranks:
+                                self._rank_died(rank, message)
+                        else:
+                            self._rank_died(ranks[0] if len(ranks) == 1 else None, message)
                         if self._dead_message is not None:
                             return
         except anyio.ClosedResourceError:
@@ -1446,12 +1452,13 @@ async def open_client(
         # identity whatever endpoint a peer came through); each source's engines are
         # given endpoints bound where they can reach them. Watched (external) sources
         # get endpoints of their own so that a dropped connection names its ranks.
-        data: dict[tuple[str | None, str | None, bool], tuple[str, str, str]] = {}
+        data: dict[tuple[str | None, str | None, int], tuple[str, str, str]] = {}
         handshake_binds: dict[str, str] = {}
         parts: list[ClientHandshake] = []
         source_handshakes: list[str] = []
-        for source, layout in zip(source_set.sources, layouts, strict=True):
-            key = (layout.data_host, layout.data_bind_host, layout.watch_disconnects)
+        for index, (source, layout) in enumerate(zip(source_set.sources, layouts, strict=True)):
+            own = index if layout.watch_disconnects else -1
+            key = (layout.data_host, layout.data_bind_host, own)
             if key not in data:
                 if layout.data_host is None:
                     n = len(data)
