@@ -7,6 +7,9 @@ This module only re-exports the public names.
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._exceptions import EngineDeadError as EngineDeadError
 from ._exceptions import EngineStartupError as EngineStartupError
 from ._exceptions import InsecureSerializationError as InsecureSerializationError
@@ -15,20 +18,6 @@ from ._exceptions import TrioVllmError as TrioVllmError
 from ._exceptions import UnroutableError as UnroutableError
 from ._exceptions import UtilityCallError as UtilityCallError
 from ._version import __version__ as __version__
-from .client import EngineCoreClient as EngineCoreClient
-from .client import EngineEvent as EngineEvent
-from .client import EngineEvents as EngineEvents
-from .client import EngineSource as EngineSource
-from .client import ExternalEngines as ExternalEngines
-from .client import ReferenceEngines as ReferenceEngines
-from .client import RequestStream as RequestStream
-from .client import StartupProgress as StartupProgress
-from .client import VllmEngines as VllmEngines
-from .client import make_request as make_request
-from .client import new_request_id as new_request_id
-from .client import open_client as open_client
-from .client import prepare_sampling_params as prepare_sampling_params
-from .client._inproc import InprocEngine as InprocEngine
 from .protocol import ENGINE_CORE_DEAD as ENGINE_CORE_DEAD
 from .protocol import PROFILES as PROFILES
 from .protocol import ClientCodec as ClientCodec
@@ -55,5 +44,98 @@ from .protocol import UtilityOutput as UtilityOutput
 from .protocol import UtilityResult as UtilityResult
 from .protocol import profile_for_version as profile_for_version
 from .protocol import validate_request as validate_request
-from .sync import SyncClient as SyncClient
-from .sync import SyncRequestStream as SyncRequestStream
+
+if TYPE_CHECKING:
+    # Loaded on first use (__getattr__ below): the client pulls in anyio (and trio) and
+    # engine processes (python -m trio_vllm.reference_engine) never need it.
+    from .client import EngineCoreClient as EngineCoreClient
+    from .client import EngineEvent as EngineEvent
+    from .client import EngineEvents as EngineEvents
+    from .client import EngineSource as EngineSource
+    from .client import ExternalEngines as ExternalEngines
+    from .client import ReferenceEngines as ReferenceEngines
+    from .client import RequestStream as RequestStream
+    from .client import StartupProgress as StartupProgress
+    from .client import VllmEngines as VllmEngines
+    from .client import make_request as make_request
+    from .client import new_request_id as new_request_id
+    from .client import open_client as open_client
+    from .client import prepare_sampling_params as prepare_sampling_params
+    from .client._inproc import InprocEngine as InprocEngine
+    from .sync import SyncClient as SyncClient
+    from .sync import SyncRequestStream as SyncRequestStream
+
+_LAZY: dict[str, str] = {
+    "EngineCoreClient": ".client",
+    "EngineEvent": ".client",
+    "EngineEvents": ".client",
+    "EngineSource": ".client",
+    "ExternalEngines": ".client",
+    "ReferenceEngines": ".client",
+    "RequestStream": ".client",
+    "StartupProgress": ".client",
+    "VllmEngines": ".client",
+    "make_request": ".client",
+    "new_request_id": ".client",
+    "open_client": ".client",
+    "prepare_sampling_params": ".client",
+    "InprocEngine": ".client._inproc",
+    "SyncClient": ".sync",
+    "SyncRequestStream": ".sync",
+}
+
+_LAZY_SUBMODULES = frozenset({"client", "sync", "transport"})
+
+__all__ = [
+    "ENGINE_CORE_DEAD",
+    "PROFILES",
+    "ClientCodec",
+    "EngineCodec",
+    "EngineCoreEvent",
+    "EngineCoreEventType",
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "EngineCoreReadyResponse",
+    "EngineCoreRequest",
+    "EngineDeadError",
+    "EngineStartupError",
+    "FinishReason",
+    "InsecureSerializationError",
+    "LoRARequest",
+    "LogprobsLists",
+    "LogprobsTensors",
+    "PoolingParams",
+    "ProtocolError",
+    "ProtocolProfile",
+    "RawTensor",
+    "RequestOutputKind",
+    "RequestType",
+    "SamplingParams",
+    "SchedulerStats",
+    "StructuredOutputsParams",
+    "TrioVllmError",
+    "UnroutableError",
+    "UtilityCallError",
+    "UtilityOutput",
+    "UtilityResult",
+    "__version__",
+    "profile_for_version",
+    "validate_request",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562: import the client-side names on first access (then cached here)."""
+    if name in _LAZY_SUBMODULES:  # ``import trio_vllm; trio_vllm.client`` worked before
+        return importlib.import_module(f".{name}", __name__)
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
