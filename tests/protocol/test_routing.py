@@ -32,6 +32,8 @@ def test_scheduler_stats_raise_the_load_until_requests_end() -> None:
     lb.ended(0)  # nothing of ours left there: its stale snapshot is dropped
     assert lb.load(0) == 0
     assert lb.choose() == 0
+    lb.update_stats(0, waiting=0, running=1)  # late stats of an aborted request
+    assert lb.load(0) == 0
 
 
 def test_pinned_removed_and_empty() -> None:

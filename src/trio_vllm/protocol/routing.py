@@ -83,7 +83,9 @@ class LoadBalancer:
             self._stats[rank] = max(0, self._stats[rank] - 1)
 
     def update_stats(self, rank: int, waiting: int, running: int) -> None:
-        if rank in self._stats:
+        # Stats of a rank with nothing of ours in flight describe requests this client
+        # already gave up (aborted ones the engine is dropping): count it as idle.
+        if self._in_flight.get(rank, 0) > 0:
             self._stats[rank] = waiting + running
 
     def add(self, rank: int) -> None:
