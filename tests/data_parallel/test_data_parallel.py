@@ -276,3 +276,34 @@ async def test_retire_rank_aborts_or_drains_and_stops_the_engine() -> None:
             assert client.live_ranks == [0]
             with pytest.raises(ValueError, match="last live engine"):
                 await client.retire_rank(0)
+
+
+async def _drain_on(client: EngineCoreClient, rank: int) -> None:
+    async with client.generate(make_request([2], max_tokens=LONG), rank=rank) as stream:
+        async for _ in stream:
+            pass
+
+
+@pytest.mark.parametrize("mode", ["fail", "continue"])
+async def test_engine_core_dead_from_one_of_two_sources(mode: Any) -> None:
+    # Two local sources share the ipc endpoints; rank 2 sends ENGINE_CORE_DEAD after
+    # a few steps and exits (vLLM's fatal-error path). The frame carries no rank.
+    sources = [
+        CountingEngines(2),
+        CountingEngines(1, start_rank=2, faults=["--dead-after-steps", "3"]),
+    ]
+    async with open_client(sources, ready_timeout=60, on_engine_death=mode) as client:
+        assert client.ranks == [0, 1, 2]
+        with anyio.fail_after(30):
+            async with client.generate(make_request([1], max_tokens=LONG), rank=0) as s0:
+                with pytest.raises(EngineDeadError) as info:
+                    await _drain_on(client, 2)
+                if mode == "fail":
+                    assert client.dead
+                    return
+                assert info.value.rank == 2
+                event = await client.engine_events.receive()
+                assert (event.kind, event.rank) == ("rank_lost", 2)
+                assert "engine process died" in event.payload["message"]
+                assert (await s0.receive()).new_token_ids
+                assert client.live_ranks == [0, 1]
