@@ -135,6 +135,12 @@ class EngineServer:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        # The kernel may deliver a process-directed signal to any thread that does not
+        # block it (numpy/torch helper threads; libzmq's own block signals); Python then
+        # only flags it for the main thread, which stays blocked in zmq_poll and never
+        # runs the handler. With the wake-up fd, the C-level handler writes to the socket
+        # the poller watches, on whichever thread it runs, so the poll returns.
+        old_wakeup_fd = signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
         try:
             try:
                 if self.options.control_address:
@@ -158,6 +164,7 @@ class EngineServer:
                 _log("EngineCore failed to start.")
                 return 1
         finally:
+            signal.set_wakeup_fd(old_wakeup_fd)
             self._close()
 
     def _close(self) -> None:
