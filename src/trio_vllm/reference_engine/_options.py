@@ -51,6 +51,7 @@ class EngineOptions:
     enable_sleep_mode: bool = True
     shutdown_timeout: float = 0.0
     handshake_timeout: float = 300.0
+    parent_pid: int | None = None
     data_parallel_size: int = 1
     moe: bool = False
     local: bool = False
@@ -98,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--handshake-timeout", type=float, default=300.0, metavar="S",
                    help="exit with status 1 if the init metadata does not arrive within S "
                         "seconds of HELLO (vLLM: 5 minutes)")
+    c.add_argument("--parent-pid", type=int, default=None, metavar="PID",
+                   help="stop (as on SIGTERM) within a second once process PID is gone, "
+                        "e.g. a frontend that was SIGKILLed; default: no such watch")
     c.add_argument("--control-address", metavar="ADDR",
                    help="bind a REP control socket here (see below)")
     m = p.add_argument_group("model")
@@ -180,6 +184,8 @@ def parse_options(argv: Sequence[str] | None = None) -> EngineOptions:
     for task in tasks:
         if task not in ALL_TASKS:
             parser.error(f"unknown task {task!r} in --supported-tasks")
+    if ns.parent_pid is not None and ns.parent_pid <= 0:
+        parser.error("--parent-pid must be a process id > 0")
     if not 0 <= ns.index < 1 << 16:
         parser.error("--index must fit 2 bytes")
     return EngineOptions(
@@ -204,6 +210,7 @@ def parse_options(argv: Sequence[str] | None = None) -> EngineOptions:
         enable_sleep_mode=ns.enable_sleep_mode,
         shutdown_timeout=ns.shutdown_timeout,
         handshake_timeout=ns.handshake_timeout,
+        parent_pid=ns.parent_pid,
         data_parallel_size=ns.data_parallel_size,
         moe=ns.moe,
         local=ns.local,

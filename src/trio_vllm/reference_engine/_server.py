@@ -118,6 +118,8 @@ class EngineServer:
         self.start_wave_sent: int | None = None
         self.wave_steps = 0
         self.last_counts: tuple[int, int] | None = None
+        self._parent_fd: int | None = None  # pidfd of --parent-pid, while it lives
+        self._parent_check_s: float | None = None  # poll cap without pidfd (old kernels)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -132,6 +134,62 @@ class EngineServer:
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
 
+    def _watch_parent(self) -> None:
+        """Start watching --parent-pid: a pidfd the pollers wait on (no polling), or on
+        kernels without pidfd_open a check whenever an idle poll times out (0.5 s)."""
+        pid = self.options.parent_pid
+        if pid is None:
+            return
+        try:
+            self._parent_fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._parent_gone()
+        except (AttributeError, OSError):
+            self._parent_check_s = 0.5
+            self._check_parent()
+
+    def _check_parent(self) -> None:
+        pid = self.options.parent_pid
+        if pid is None or self.shutdown_requested:
+            return
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            self._parent_gone()
+        except PermissionError:
+            pass  # exists, owned by someone else
+        else:
+            if os.getppid() != pid and pid == self._initial_ppid:
+                self._parent_gone()  # it died and its pid was reused; we were reparented
+
+    def _parent_gone(self) -> None:
+        _log(f"parent process {self.options.parent_pid} is gone: shutting down")
+        self.shutdown_requested = True
+        self._parent_check_s = None
+        if self._parent_fd is not None:
+            os.close(self._parent_fd)
+            self._parent_fd = None
+
+    def _register_parent(self, poller: zmq.Poller) -> None:
+        if self._parent_fd is not None:
+            poller.register(self._parent_fd, zmq.POLLIN)
+
+    def _parent_event(self, poller: zmq.Poller, events: dict[Any, int]) -> None:
+        """After a poll: the pidfd became readable (parent exited), or the fallback check."""
+        fd = self._parent_fd
+        if fd is not None and fd in events:
+            poller.unregister(fd)  # readable for good: never wait on it again
+            self._parent_gone()
+        elif self._parent_check_s is not None and not events:
+            self._check_parent()
+
+    def _poll_timeout(self, timeout: int | None) -> int | None:
+        """Cap an idle poll's timeout when the parent can only be checked periodically."""
+        if self._parent_check_s is None:
+            return timeout
+        cap = int(self._parent_check_s * 1000)
+        return cap if timeout is None else min(timeout, cap)
+
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
@@ -141,6 +199,8 @@ class EngineServer:
         # runs the handler. With the wake-up fd, the C-level handler writes to the socket
         # the poller watches, on whichever thread it runs, so the poll returns.
         old_wakeup_fd = signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        self._initial_ppid = os.getppid()
+        self._watch_parent()
         try:
             try:
                 if self.options.control_address:
@@ -177,6 +237,9 @@ class EngineServer:
         self.ctx.term()
         self._wake_r.close()
         self._wake_w.close()
+        if self._parent_fd is not None:
+            os.close(self._parent_fd)
+            self._parent_fd = None
         control = self.options.control_address
         if control is not None and control.startswith("ipc://"):
             # The engine bound it; libzmq does not remove ipc files on close.
@@ -232,13 +295,15 @@ class EngineServer:
         poller.register(self._wake_r, zmq.POLLIN)
         if self.control is not None:
             poller.register(self.control, zmq.POLLIN)
+        self._register_parent(poller)
         while True:
             if self.shutdown_requested:
                 raise _Stop(0)
             timeout = None
             if deadline is not None:
                 timeout = int(max(0.0, deadline - time.monotonic()) * 1000) + 1
-            events = dict(poller.poll(timeout))
+            events = dict(poller.poll(self._poll_timeout(timeout)))
+            self._parent_event(poller, events)
             if self._wake_r.fileno() in events or self._wake_r in events:
                 self._drain_wake()
             if self.control is not None and self.control in events:
@@ -253,6 +318,8 @@ class EngineServer:
         while time.monotonic() < end:
             if self.shutdown_requested:
                 raise _Stop(0)
+            if self._parent_fd is not None or self._parent_check_s is not None:
+                self._check_parent()
             time.sleep(min(0.05, max(0.0, end - time.monotonic())))
 
     def _startup(self) -> int | None:
@@ -988,6 +1055,8 @@ class EngineServer:
         if self.control is not None:
             stalled_poller.register(self.control, zmq.POLLIN)
         stalled_poller.register(self._wake_r, zmq.POLLIN)
+        self._register_parent(poller)
+        self._register_parent(stalled_poller)
         firehose_wait: zmq.Socket[bytes] | None = None
         while True:
             if self.shutdown_requested and not self.shutdown_handled:
@@ -1017,7 +1086,14 @@ class EngineServer:
                 firehose_wait = want
             # Stalled, the input sockets stay unread; polling them would spin on their
             # pending messages, so only the control socket and signals are watched.
-            events = dict((stalled_poller if self.stalled else poller).poll(timeout))
+            active = stalled_poller if self.stalled else poller
+            events = dict(active.poll(self._poll_timeout(timeout)))
+            if self._parent_fd is not None and self._parent_fd in events:
+                # Both pollers watch the pidfd; the other one must forget it too.
+                (poller if active is stalled_poller else stalled_poller).unregister(
+                    self._parent_fd
+                )
+            self._parent_event(active, events)
             if self._wake_r.fileno() in events or self._wake_r in events:
                 self._drain_wake()
             if self.control is not None and self.control in events:
