@@ -307,3 +307,29 @@ async def test_engine_core_dead_from_one_of_two_sources(mode: Any) -> None:
                 assert "engine process died" in event.payload["message"]
                 assert (await s0.receive()).new_token_ids
                 assert client.live_ranks == [0, 1]
+
+
+@pytest.mark.parametrize("mode", ["fail", "continue"])
+async def test_a_rank_that_dies_while_draining_is_a_death(mode: Any) -> None:
+    async with open_client(
+        CountingEngines(2), ready_timeout=60, on_engine_death=mode
+    ) as client:
+        with anyio.fail_after(30):
+            async with client.generate(
+                make_request([4], max_tokens=LONG, request_id="x"), rank=1
+            ) as stream:
+                await stream.receive()
+                async with anyio.create_task_group() as tg:
+
+                    async def retire() -> None:
+                        with pytest.raises(EngineDeadError) as info:
+                            await client.retire_rank(1)
+                        assert info.value.rank == 1
+
+                    tg.start_soon(retire)
+                    await _until(lambda: client.live_ranks == [0])
+                    os.kill(client.engine_pids[1], signal.SIGKILL)
+                with pytest.raises(EngineDeadError):
+                    await stream.collect()  # buffered outputs first, then the error
+        assert client.dead == (mode == "fail")
+        assert client.lost_ranks.keys() == (set() if mode == "fail" else {1})

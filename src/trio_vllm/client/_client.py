@@ -219,6 +219,9 @@ class EngineCoreClient:
         self._on_engine_death = on_engine_death
         self._lost_ranks: dict[int, str] = {}
         self._retiring: set[int] = set()
+        # Ranks whose retirement finished draining: their exit or dropped connection
+        # is expected. A retiring rank that dies while draining is a death as usual.
+        self._retired: set[int] = set()
         self._drained: dict[int, anyio.Event] = {}
         self._shutdown_grace = DEFAULT_SHUTDOWN_GRACE
         # ENGINE_CORE_DEAD carries no rank: in "continue" mode with several live ranks
@@ -427,7 +430,7 @@ class EngineCoreClient:
     def _on_process_exit(self, process: EngineProcess) -> None:
         if self._closing or self.dead:
             return
-        if all(rank in self._retiring for rank in process.ranks):
+        if all(rank in self._retired for rank in process.ranks):
             return  # stopped by retire_rank
         if self._receive_scope is None:
             self._die_of_exit(process)
@@ -442,7 +445,7 @@ class EngineCoreClient:
         message = f"engine process died: {process.describe_exit()}"
         if self._on_engine_death == "continue":
             for each in process.ranks:
-                if each not in self._retiring:
+                if each not in self._retired:
                     self._rank_died(each, message)
             return
         rank = process.ranks[0] if len(process.ranks) == 1 else None
@@ -737,7 +740,9 @@ class EngineCoreClient:
         engine is left running, unused. An :class:`EngineEvent` ``"rank_retired"``
         follows. Cancellation while draining: the rank stays out of routing and its
         requests keep running. Raises ``ValueError`` for an unknown or gone rank or the
-        last live rank.
+        last live rank. A rank that dies while draining is a death as usual (the
+        client dies, or with ``on_engine_death="continue"`` its requests fail), and
+        this call raises :class:`~trio_vllm.EngineDeadError`.
         """
         self._check_alive()
         if rank not in self._rank_set or rank in self._lost_ranks or rank in self._retiring:
@@ -757,6 +762,9 @@ class EngineCoreClient:
             drained = self._drained.setdefault(rank, anyio.Event())
             await drained.wait()
             self._check_alive()
+            if rank in self._lost_ranks:
+                raise self._rank_error(rank)  # it died while draining
+        self._retired.add(rank)
         for process in self._processes:
             if process.ranks == (rank,):
                 await process.stop(self._shutdown_grace)
@@ -1012,7 +1020,7 @@ class EngineCoreClient:
                         ranks = [
                             r
                             for r in self._endpoint_ranks.get(endpoint, [])
-                            if r not in self._lost_ranks and r not in self._retiring
+                            if r not in self._lost_ranks and r not in self._retired
                         ]
                         if not ranks and self._endpoint_ranks.get(endpoint):
                             continue  # a retired or already lost engine
