@@ -8,6 +8,7 @@ from typing import Any
 
 from trio_vllm.client import ReferenceEngines
 
+LONG_ARGS = ("--max-model-len", "1000000")
 COUNTING_ENGINE = str(Path(__file__).with_name("_counting_engine.py"))
 
 
@@ -16,6 +17,8 @@ class CountingEngines(ReferenceEngines):
 
     def __init__(self, count: int = 1, **kwargs: Any) -> None:
         kwargs.setdefault("model", "echo")
+        # "Long" requests (max_tokens 100,000) must not end at the default 2048.
+        kwargs["extra_args"] = [*LONG_ARGS, *kwargs.get("extra_args", ())]
         super().__init__(count, **kwargs)
 
     def command(self, handshake_address: str, rank: int) -> list[str]:
@@ -34,5 +37,6 @@ def counting_command(handshake_address: str, rank: int, *extra: str) -> list[str
         str(rank),
         "--model",
         "echo",
+        *LONG_ARGS,
         *extra,
     ]
