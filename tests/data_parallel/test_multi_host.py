@@ -13,11 +13,14 @@ import anyio
 import anyio.abc
 import pytest
 
+from trio_vllm import EngineDeadError
 from trio_vllm.client import ExternalEngines, make_request, open_client
 
 from .conftest import CountingEngines, counting_command
 
 pytestmark = pytest.mark.anyio
+
+LONG = 100_000
 
 
 def _free_port(host: str) -> int:
@@ -87,6 +90,42 @@ async def test_engines_on_two_hosts_and_a_local_one() -> None:
                     async with client.generate(make_request([7], max_tokens=2), rank=rank) as s:
                         results[rank] = await s.collect()
             assert results == {0: [7, 7], 1: [7, 7], 3: [7, 7]}
+    finally:
+        with anyio.CancelScope(shield=True):
+            for process in processes:
+                if process.returncode is None:
+                    process.kill()
+                await process.aclose()
+
+
+async def test_losing_a_host_fails_the_client_by_default_naming_the_rank() -> None:
+    hosts = ["127.0.0.2", "127.0.0.3"]
+    handshakes = [f"tcp://{h}:{_free_port(h)}" for h in hosts]
+    processes: list[anyio.abc.Process] = []
+    try:
+        for rank, address in enumerate(handshakes):
+            processes.append(
+                await anyio.open_process(
+                    counting_command(address, rank),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=None,
+                )
+            )
+        sources = [
+            ExternalEngines(handshakes[0], count=1),
+            ExternalEngines(handshakes[1], count=1, start_rank=1),
+        ]
+        async with open_client(sources, ready_timeout=60) as client:
+            with anyio.fail_after(30):
+                async with client.generate(make_request([3], max_tokens=LONG), rank=0) as s:
+                    await s.receive()
+                    processes[1].kill()
+                    error = await client.wait_dead()
+                    with pytest.raises(EngineDeadError):
+                        await s.collect()
+            assert error.rank == 1
+            assert "lost the connection" in str(error)
     finally:
         with anyio.CancelScope(shield=True):
             for process in processes:
