@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 
-from trio_vllm import EngineDeadError
+from trio_vllm import EngineDeadError, EngineStartupError
 from trio_vllm.client import EngineCoreClient, make_request, open_client
 
 from .conftest import CountingEngines
@@ -333,3 +333,42 @@ async def test_a_rank_that_dies_while_draining_is_a_death(mode: Any) -> None:
                     await stream.collect()  # buffered outputs first, then the error
         assert client.dead == (mode == "fail")
         assert client.lost_ranks.keys() == (set() if mode == "fail" else {1})
+
+
+async def test_add_engines_to_a_running_client() -> None:
+    async with open_client(CountingEngines(2), ready_timeout=60) as client:
+        with anyio.fail_after(60):
+            async with client.generate(
+                make_request([1], max_tokens=LONG, request_id="before"), rank=0
+            ) as running:
+                await running.receive()
+                added = await client.add_engines(CountingEngines(2, start_rank=2))
+                assert added == [2, 3]
+                assert client.ranks == client.live_ranks == [0, 1, 2, 3]
+                assert set(client.engine_pids) == {0, 1, 2, 3}
+                assert sorted(client.ready_responses) == [0, 1, 2, 3]
+                # The old request still runs; new ones spread over all four.
+                assert (await running.receive()).new_token_ids
+                ranks = []
+                async with (
+                    client.generate(make_request([2], max_tokens=LONG)) as a,
+                    client.generate(make_request([3], max_tokens=LONG)) as b,
+                    client.generate(make_request([4], max_tokens=LONG)) as c,
+                ):
+                    ranks = sorted([a.rank, b.rank, c.rank])
+                    for s in (a, b, c):
+                        await s.receive()
+                assert ranks == [1, 2, 3]
+            counts = await _counts(client)
+            assert sorted(counts) == [0, 1, 2, 3]
+            with pytest.raises(ValueError, match="already known"):
+                await client.add_engines(CountingEngines(1, start_rank=3))
+            # A joining engine that fails to start: nothing changes.
+            with pytest.raises(EngineStartupError, match="boom"):
+                await client.add_engines(
+                    CountingEngines(1, start_rank=4, faults=["--crash-on-startup", "boom"])
+                )
+            assert client.ranks == [0, 1, 2, 3]
+            assert not client.dead
+            async with client.generate(make_request([5], max_tokens=2)) as s5:
+                assert await s5.collect() == [5, 5]

@@ -132,3 +132,43 @@ async def test_losing_a_host_fails_the_client_by_default_naming_the_rank() -> No
                 if process.returncode is None:
                     process.kill()
                 await process.aclose()
+
+
+async def test_a_host_joins_a_running_client() -> None:
+    hosts = ["127.0.0.2", "127.0.0.3"]
+    handshakes = [f"tcp://{h}:{_free_port(h)}" for h in hosts]
+    processes: list[anyio.abc.Process] = []
+
+    async def start(address: str, rank: int) -> None:
+        processes.append(
+            await anyio.open_process(
+                counting_command(address, rank),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=None,
+            )
+        )
+
+    try:
+        await start(handshakes[0], 0)
+        async with open_client(
+            ExternalEngines(handshakes[0]), ready_timeout=60, on_engine_death="continue"
+        ) as client:
+            with anyio.fail_after(60):
+                await start(handshakes[1], 1)
+                assert await client.add_engines(
+                    ExternalEngines(handshakes[1], start_rank=1), ready_timeout=30
+                ) == [1]
+                async with client.generate(make_request([6], max_tokens=2), rank=1) as s:
+                    assert await s.collect() == [6, 6]
+                # The joined host is watched like the others: its loss names rank 1.
+                processes[1].kill()
+                event = await client.engine_events.receive()
+                assert (event.kind, event.rank) == ("rank_lost", 1)
+                assert client.live_ranks == [0]
+    finally:
+        with anyio.CancelScope(shield=True):
+            for process in processes:
+                if process.returncode is None:
+                    process.kill()
+                await process.aclose()

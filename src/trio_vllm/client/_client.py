@@ -16,6 +16,7 @@ raise it too. The body of the ``async with`` is never cancelled by the client.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import random
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 
     from ..protocol.profiles import ProtocolProfile
-    from ._engines import EngineSource
+    from ._engines import EngineSource, SocketLayout
     from ._process import EngineProcess
 
 __all__ = ["EngineCoreClient", "EngineEvent", "EngineEvents", "StartupProgress", "open_client"]
@@ -222,6 +223,16 @@ class EngineCoreClient:
         # Ranks whose retirement finished draining: their exit or dropped connection
         # is expected. A retiring rank that dies while draining is a death as usual.
         self._retired: set[int] = set()
+        # Scale-up (add_engines): set by open_client; one join at a time.
+        self._join: _Join | None = None
+        self._context: zmq.Context[Any] | None = None
+        self._ipc_dir: PrivateIpcDir | None = None
+        self._sockets: list[AsyncSocket] = []
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._data: dict[tuple[str | None, str | None, int], tuple[str, str, str]] = {}
+        self._watching = False
+        self._joins = 0
+        self._output_socket: AsyncSocket | None = None
         self._drained: dict[int, anyio.Event] = {}
         self._shutdown_grace = DEFAULT_SHUTDOWN_GRACE
         # ENGINE_CORE_DEAD carries no rank: in "continue" mode with several live ranks
@@ -770,6 +781,131 @@ class EngineCoreClient:
                 await process.stop(self._shutdown_grace)
         self._events._put(EngineEvent("rank_retired", rank, None))
 
+    async def add_engines(
+        self, source: EngineSource, *, ready_timeout: float | None = None
+    ) -> list[int]:
+        """Scale up: start (or wait for) ``source``'s engines and add their ranks.
+
+        The new engines do the same handshake as at startup (with a handshake socket
+        of their own, closed afterwards) and must report the same vLLM version. Their
+        ranks must be new to this client. Returns the added ranks; they get requests
+        at once. External engines can join only a client that started with an external
+        source (their connections are watched by the same monitor). Raises
+        :class:`~trio_vllm.EngineStartupError` if an engine exits, the handshake fails
+        or ``ready_timeout`` passes; then, and on cancellation, spawned engines are
+        stopped and nothing changed. Only one call at a time.
+        """
+        self._check_alive()
+        if self._join is not None or self._context is None or self._task_group is None:
+            raise RuntimeError("another add_engines call is in progress")
+        overlap = sorted(set(source.ranks) & (set(self._rank_set) | self._retired))
+        if overlap:
+            raise ValueError(f"rank(s) {overlap} are already known to this client")
+        layout = source.layout()
+        if layout.watch_disconnects and not self._watching:
+            raise ValueError(
+                "external engines can join only a client that started with an external "
+                "source (its input socket has no connection monitor)"
+            )
+        timeout = _default_ready_timeout() if ready_timeout is None else ready_timeout
+        assert self._ipc_dir is not None
+        assert self._output_socket is not None
+        self._joins += 1
+        own = len(self._data) + self._joins * 1000 if layout.watch_disconnects else -1
+        key = (layout.data_host, layout.data_bind_host, own)
+        if key not in self._data:
+            self._data[key] = _bind_data(
+                self._input, self._output_socket, layout, self._ipc_dir, f"-join{self._joins}"
+            )
+        bound_in, source_input, source_output = self._data[key]
+        handshake_socket = AsyncSocket.create(
+            self._context, zmq.ROUTER, options={zmq.RCVHWM: 0, zmq.SNDHWM: 0}
+        )
+        self._sockets.append(handshake_socket)
+        processes: list[EngineProcess] = []
+        try:
+            if layout.handshake_bind is None:
+                endpoint = self._ipc_dir.endpoint(f"handshake-join{self._joins}")
+                address = _bind(handshake_socket, endpoint, "handshake")
+            else:
+                address = _bind(handshake_socket, layout.handshake_bind, "handshake")
+                if layout.data_host is not None:
+                    address = _advertised(address, layout.data_host)
+            join = _Join(
+                _Handshakes(
+                    [
+                        ClientHandshake(
+                            source.ranks,
+                            inputs=[source_input],
+                            outputs=[source_output],
+                            expect_local=layout.expect_local,
+                            expect_headless=layout.expect_headless,
+                        )
+                    ]
+                ),
+                frozenset(source.ranks),
+            )
+            self._join = join
+
+            def on_exit(process: EngineProcess) -> None:
+                if not join.done.is_set():
+                    join.fail(EngineStartupError(process.describe_exit()))
+                else:
+                    self._on_process_exit(process)
+
+            with anyio.move_on_after(timeout) as waited:
+                try:
+                    processes.extend(await source.spawn(address))
+                except OSError as exc:
+                    raise EngineStartupError(f"cannot start {source.describe()}: {exc}") from exc
+                for process in processes:
+                    self._task_group.start_soon(process.watch, on_exit)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_serve_join_handshake, join, handshake_socket)
+                    await join.done.wait()
+                    tg.cancel_scope.cancel()
+            self._check_alive()
+            if join.complete is None:
+                what = join.handshake.describe_waiting()
+                if waited.cancelled_caught:
+                    raise EngineStartupError(
+                        f"engines did not become ready within {timeout:g} s "
+                        f"({source.describe()}): {what}"
+                    )
+                raise EngineStartupError(
+                    f"engine startup failed for {source.describe()}: {join.error}"
+                ) from join.error
+            version = join.complete.vllm_version
+            if version != self._wire.vllm_version:
+                raise EngineStartupError(
+                    f"the new engines report vLLM {version}, the client's engines "
+                    f"{self._wire.vllm_version}"
+                )
+        except BaseException:
+            self._join = None
+            self._retired.update(source.ranks)  # their exits are expected now
+            with anyio.CancelScope(shield=True):
+                for process in processes:
+                    await process.stop(self._shutdown_grace)
+            raise
+        finally:
+            self._join = None
+            handshake_socket.close()
+        # Commit (no checkpoint since the handshake completed).
+        for rank, response in join.complete.ready_responses.items():
+            self._ready_responses[rank] = dict(response)
+        self._ranks = sorted([*self._ranks, *source.ranks])
+        self._rank_set = frozenset(self._ranks)
+        for rank in source.ranks:
+            self._balancer.add(rank)
+        if self._waves is not None:
+            self._waves.set_ranks(self._balancer.live_ranks)
+        self._wire.set_limits(self._ready_responses)
+        self._processes.extend(processes)
+        if layout.watch_disconnects:
+            self._endpoint_ranks.setdefault(bound_in, []).extend(source.ranks)
+        return list(source.ranks)
+
     async def _call_all_equal(self, method: str, *args: Any) -> Any:
         results = await self.call_utility_all(method, *args)
         if any(r != results[0] for r in results[1:]):
@@ -1051,6 +1187,11 @@ class EngineCoreClient:
                         rank: object = rank_for_identity(identity)
                     except ProtocolError:
                         rank = None
+                    join = self._join
+                    if join is not None and rank in join.ranks and len(message) == 2:
+                        # A joining engine's ready response (add_engines).
+                        join.receive_input(identity, _bytes(message[1]))
+                        continue
                     known = rank in self._rank_set
                     what = "engine" if known else "unexpected identity"
                     exc = ProtocolError(
@@ -1263,6 +1404,74 @@ def _startup_error(
     return EngineStartupError("\n".join(lines))
 
 
+@dataclass(slots=True)
+class _Join:
+    """One add_engines call in progress: the guard feeds it the ready responses."""
+
+    handshake: _Handshakes
+    ranks: frozenset[int]
+    done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    complete: HandshakeComplete | None = None
+    error: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None and self.complete is None:
+            self.error = error
+        self.done.set()
+
+    def feed(self, events: list[HandshakeEvent]) -> list[SendInitMetadata]:
+        replies = []
+        for event in events:
+            if isinstance(event, SendInitMetadata):
+                replies.append(event)
+            elif isinstance(event, HandshakeComplete):
+                self.complete = event
+                self.done.set()
+        return replies
+
+    def receive_input(self, identity: bytes, payload: bytes) -> None:
+        try:
+            self.feed(self.handshake.receive_input(identity, payload))
+        except ProtocolError as exc:
+            self.fail(exc)
+
+
+async def _serve_join_handshake(join: _Join, socket: AsyncSocket) -> None:
+    """The handshake-socket side of a join; records errors, never raises them."""
+    try:
+        while not join.handshake.handshake_socket_done:
+            for message in await socket.receive_batch():
+                if len(message) != 2:
+                    raise ProtocolError(f"handshake message with {len(message)} frames")
+                events = join.handshake.receive_handshake(_bytes(message[0]), _bytes(message[1]))
+                for reply in join.feed(events):
+                    await socket.send([reply.identity, reply.payload])
+    except (ProtocolError, anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
+        join.fail(exc)
+
+
+def _bind_data(
+    input_socket: AsyncSocket,
+    output_socket: AsyncSocket,
+    layout: SocketLayout,
+    ipc_dir: PrivateIpcDir,
+    suffix: str,
+) -> tuple[str, str, str]:
+    """Bind the input and output sockets for a layout: (bound input, advertised
+    input, advertised output)."""
+    if layout.data_host is None:
+        bound_in = _bind(input_socket, ipc_dir.endpoint(f"input{suffix}"), "input")
+        bound_out = _bind(output_socket, ipc_dir.endpoint(f"output{suffix}"), "output")
+        return bound_in, bound_in, bound_out
+    bind = tcp_endpoint(layout.data_bind_host or layout.data_host, 0)
+    bound_in = _bind(input_socket, bind, "input")
+    return (
+        bound_in,
+        _advertised(bound_in, layout.data_host),
+        _advertised(_bind(output_socket, bind, "output"), layout.data_host),
+    )
+
+
 class _SourceSet:
     """Several engine sources behind one client: their ranks must not overlap."""
 
@@ -1468,22 +1677,8 @@ async def open_client(
             own = index if layout.watch_disconnects else -1
             key = (layout.data_host, layout.data_bind_host, own)
             if key not in data:
-                if layout.data_host is None:
-                    n = len(data)
-                    bound_in = _bind(input_socket, ipc_dir.endpoint(f"input{n or ''}"), "input")
-                    data[key] = (
-                        bound_in,
-                        bound_in,
-                        _bind(output_socket, ipc_dir.endpoint(f"output{n or ''}"), "output"),
-                    )
-                else:
-                    bind = tcp_endpoint(layout.data_bind_host or layout.data_host, 0)
-                    bound_in = _bind(input_socket, bind, "input")
-                    data[key] = (
-                        bound_in,
-                        _advertised(bound_in, layout.data_host),
-                        _advertised(_bind(output_socket, bind, "output"), layout.data_host),
-                    )
+                n = len(data)
+                data[key] = _bind_data(input_socket, output_socket, layout, ipc_dir, str(n or ""))
             bound_in, source_input, source_output = data[key]
             if layout.watch_disconnects:
                 watched.setdefault(bound_in, []).extend(source.ranks)
@@ -1580,6 +1775,13 @@ async def open_client(
                 )
                 client._processes = list(processes)
                 client._endpoint_ranks = watched
+                client._context = context
+                client._ipc_dir = ipc_dir
+                client._sockets = sockets
+                client._task_group = tg
+                client._data = data
+                client._watching = monitor_socket is not None
+                client._output_socket = output_socket
                 client._shutdown_grace = shutdown_grace
                 client._addresses = {
                     "input": input_address,
@@ -1607,7 +1809,10 @@ async def open_client(
                 if client is not None:
                     client._closing = True
                     client._set_dead("the client is closed (open_client exited)")
-                await _stop_processes(processes, shutdown_grace)
+                # The client's list also holds engines added by add_engines.
+                await _stop_processes(
+                    processes if client is None else client._processes, shutdown_grace
+                )
                 tg.cancel_scope.cancel()
     finally:
         for socket in sockets:
