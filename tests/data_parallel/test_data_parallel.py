@@ -372,3 +372,20 @@ async def test_add_engines_to_a_running_client() -> None:
             assert not client.dead
             async with client.generate(make_request([5], max_tokens=2)) as s5:
                 assert await s5.collect() == [5, 5]
+
+
+async def test_cancelled_add_engines_stops_them_and_changes_nothing() -> None:
+    async with open_client(CountingEngines(1), ready_timeout=60) as client:
+        slow = CountingEngines(1, start_rank=1, faults=["--startup-delay", "30"])
+        with anyio.fail_after(30):
+            with anyio.move_on_after(1.0) as scope:
+                await client.add_engines(slow)
+            assert scope.cancelled_caught
+            assert client.ranks == [0]
+            assert set(client.engine_pids) == {0}
+            assert not client.dead
+            async with client.generate(make_request([8], max_tokens=2)) as s:
+                assert await s.collect() == [8, 8]
+            # A failed join's ranks stay reserved (a late engine may still connect).
+            with pytest.raises(ValueError, match="already known"):
+                await client.add_engines(CountingEngines(1, start_rank=1))
