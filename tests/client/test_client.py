@@ -326,8 +326,15 @@ async def test_asyncio_native_timeout_on_utility_call() -> None:
 
 async def test_deferred_utility_reply_out_of_order() -> None:
     """A ``wait`` pause is answered only when the running request is done; calls made
-    meanwhile are answered first. Replies are matched by call id, not by order."""
-    engines = ReferenceEngines(model="echo", extra_args=LONG)
+    meanwhile are answered first. Replies are matched by call id, not by order.
+
+    The running request is a long prefill, one token per step and no stats: it stays
+    running for ~15 s on an idle machine (longer under load) and sends nothing meanwhile.
+    (A decoding request floods the output socket with one message per step; under load
+    the client then drains a growing backlog before each reply, which made this flaky.)
+    """
+    silent_prefill = [*LONG, "--max-num-batched-tokens", "1", "--disable-log-stats"]
+    engines = ReferenceEngines(model="echo", extra_args=silent_prefill)
     async with open_client(engines, ready_timeout=30) as client:
         order: list[str] = []
 
@@ -336,12 +343,17 @@ async def test_deferred_utility_reply_out_of_order() -> None:
             order.append("pause")
 
         with anyio.fail_after(20):
-            async with client.generate(make_request([1, 2], max_tokens=900_000)) as stream:
-                await stream.receive()
+            prompt = [1, 2] * 499_000
+            async with client.generate(make_request(prompt, max_tokens=1000)) as stream:
+                # Wait until the request runs: reset_prefix_cache() refuses (False) while
+                # a request is running. (A reply does not mean a step ran since the ADD:
+                # the engine drains all queued input, answering calls, before stepping.)
+                while await client.call_utility("reset_prefix_cache") is not False:  # noqa: ASYNC110 - polls the engine, nothing to wait on
+                    await anyio.sleep(0.01)
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(pause)
                     await anyio.sleep(0.05)
-                    assert client.pending_utility_calls == 1  # the pause waits
+                    assert client.pending_utility_calls == 1, order  # the pause waits
                     assert await echo(client, "quick") == [["quick"]]
                     order.append("quick")
                     assert await client.get_weight_version() == "default"
