@@ -199,6 +199,13 @@ class _Layouts:
         self.request_len = len(lay["EngineCoreRequest"])
         self.request_idx = _index_map(EngineCoreRequest, lay["EngineCoreRequest"])
         self.output_idx = _index_map(EngineCoreOutput, lay["EngineCoreOutput"])
+        # One C call per plain output for older layouts: a tuple encodes as the same
+        # msgpack array as the list built by index (engine-side hot path).
+        self.output_get = (
+            operator.itemgetter(*self.output_idx)
+            if self.output_idx is not None and len(self.output_idx) > 1
+            else None
+        )
         self.outputs_idx = _index_map(EngineCoreOutputs, lay["EngineCoreOutputs"])
         self.lora_idx = _index_map(LoRARequest, lay["LoRARequest"])
         self.pooling_idx = _index_map(PoolingParams, lay["PoolingParams"])
@@ -353,8 +360,11 @@ class _Layouts:
             or isinstance(scored, np.ndarray)
             or (prefill is not None and self.prefill_cls is not None)
         )
-        if self.output_idx is None and not special:
-            return out
+        if not special:
+            if self.output_idx is None:
+                return out
+            if self.output_get is not None:
+                return self.output_get(msgspec.structs.astuple(out))
         values = list(msgspec.structs.astuple(out))
         if lp is not None:
             values[_OUT['new_prompt_logprobs_tensors']] = self.lp_tensors(lp)
