@@ -2,7 +2,7 @@
 stand-in ``vllm`` package (``fake_vllm/``) whose ``run_headless`` starts reference
 engines on the TCP handshake address, as ``vllm serve --headless`` would.
 
-This checks what the real tier (``tests/vllm``, needs a python with vLLM) cannot check
+This checks what the real tier (``tests/vllm_tier``, needs a python with vLLM) cannot check
 everywhere: the command line, the entry point, the TCP handshake of a launcher hosting
 several ranks, stopping the launcher's whole process tree, and the orphan watch.
 """

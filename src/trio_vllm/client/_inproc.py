@@ -86,7 +86,7 @@ class InprocEngine:
         """True if an installed distribution provides the ``vllm`` package.
 
         Asks the package metadata rather than the import system, so that a directory
-        named ``vllm`` on ``sys.path`` (such as this project's ``tests/vllm``) does not
+        named ``vllm`` on ``sys.path`` (a source checkout, a test folder) does not
         count. Imports nothing.
         """
         return "vllm" in importlib.metadata.packages_distributions()
