@@ -8,6 +8,7 @@ everything else (binding, the handshake, watching and stopping the processes).
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,6 +160,10 @@ class ReferenceEngines(EngineSource):
             str(rank),
             "--model",
             self.model,
+            # The engine runs in its own session; without this it would outlive a
+            # client process that is killed outright.
+            "--parent-pid",
+            str(os.getpid()),
         ]
         if self.device is not None:
             cmd += ["--device", self.device]

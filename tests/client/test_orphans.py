@@ -1,0 +1,69 @@
+"""A client process killed outright (SIGKILL: no cleanup runs) leaves no engine behind.
+
+The engines run in their own session, so nothing else would stop them; they watch the
+client's pid (``--parent-pid``) and shut down once it is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+_CLIENT = textwrap.dedent(
+    """
+    import json, sys, trio
+    import trio_vllm as tv
+
+    async def main():
+        async with tv.open_client(tv.ReferenceEngines(2, model="echo"), ready_timeout=30) as c:
+            print(json.dumps(sorted(c.engine_pids.values())), flush=True)
+            await trio.sleep_forever()
+
+    trio.run(main)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_engines_stop_when_their_client_is_killed() -> None:
+    client = subprocess.Popen(
+        [sys.executable, "-c", _CLIENT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert client.stdout is not None
+        line = client.stdout.readline()
+        assert line, f"client did not start: {client.stderr.read() if client.stderr else ''}"
+        pids: list[int] = json.loads(line)
+        assert len(pids) == 2
+        assert all(_alive(pid) for pid in pids)
+    finally:
+        os.kill(client.pid, signal.SIGKILL)
+        client.wait()
+        if client.stdout is not None:
+            client.stdout.close()
+        if client.stderr is not None:
+            client.stderr.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.05)
+    left = [pid for pid in pids if _alive(pid)]
+    for pid in left:  # do not leak them into the rest of the run
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"engines {left} outlived their killed client"
