@@ -82,7 +82,11 @@ def _request() -> EngineCoreRequest:
         "bench-req-000001",
         prompt_token_ids=list(range(1000, 1040)),
         sampling_params=SamplingParams(
-            max_tokens=128, temperature=0.7, top_p=0.95, stop_token_ids=[2], _eos_token_id=2,
+            max_tokens=128,
+            temperature=0.7,
+            top_p=0.95,
+            stop_token_ids=[2],
+            _eos_token_id=2,
             logprobs=5,
         ),
         arrival_time=1764400000.25,
@@ -134,19 +138,22 @@ def run(rounds: int) -> dict[str, Any]:
     req = _request()
     bare_encoder = msgspec.msgpack.Encoder()
     assert client.encode_add(req)[1] == bare_encoder.encode(req)
-    ours, ceiling = _interleaved(lambda: client.encode_add(req), lambda: bare_encoder.encode(req),
-                                 rounds)
+    ours, ceiling = _interleaved(
+        lambda: client.encode_add(req), lambda: bare_encoder.encode(req), rounds
+    )
     results["encode_add"] = (ours, ceiling)
-    ours, ceiling = _interleaved(lambda: client.encode_add(req, validate=False),
-                                 lambda: bare_encoder.encode(req), rounds)
+    ours, ceiling = _interleaved(
+        lambda: client.encode_add(req, validate=False), lambda: bare_encoder.encode(req), rounds
+    )
     results["encode_add_unvalidated"] = (ours, ceiling)
 
     step = [bytes(f) for f in engine.encode_outputs(_step64())]
     bare_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
     assert client.decode_outputs(step) == bare_decoder.decode(step[0])
     main = step[0]
-    ours, ceiling = _interleaved(lambda: client.decode_outputs(step),
-                                 lambda: bare_decoder.decode(main), rounds)
+    ours, ceiling = _interleaved(
+        lambda: client.decode_outputs(step), lambda: bare_decoder.decode(main), rounds
+    )
     results["decode_step64"] = (ours, ceiling)
 
     # The same step from a 0.25.1 engine: its EngineCoreOutput layout differs mid-array,
@@ -156,15 +163,17 @@ def run(rounds: int) -> dict[str, Any]:
     old_step = [bytes(f) for f in old_engine.encode_outputs(_step64())]
     old_bare = msgspec.msgpack.Decoder(old_client._layouts.outputs_wire)
     old_main = old_step[0]
-    ours, ceiling = _interleaved(lambda: old_client.decode_outputs(old_step),
-                                 lambda: old_bare.decode(old_main), rounds)
+    ours, ceiling = _interleaved(
+        lambda: old_client.decode_outputs(old_step), lambda: old_bare.decode(old_main), rounds
+    )
     results["decode_step64_v0_25_1"] = (ours, ceiling)
 
     frames = [bytes(f) for f in engine.encode_outputs(_logprobs_message())]
     assert len(frames) == 4
     hooks = _BareHooks()
-    bare_lp = msgspec.msgpack.Decoder(EngineCoreOutputs, dec_hook=hooks.dec_hook,
-                                      ext_hook=hooks.ext_hook)
+    bare_lp = msgspec.msgpack.Decoder(
+        EngineCoreOutputs, dec_hook=hooks.dec_hook, ext_hook=hooks.ext_hook
+    )
 
     def bare_lp_decode() -> object:
         hooks.aux = frames
@@ -176,8 +185,9 @@ def run(rounds: int) -> dict[str, Any]:
     ours_out = client.decode_outputs(frames)
     assert isinstance(ours_out, EngineCoreOutputs)
     assert ours_out.outputs[0].new_logprobs is not None
-    np.testing.assert_array_equal(ours_out.outputs[0].new_logprobs.logprobs,
-                                  check.outputs[0].new_logprobs.logprobs)
+    np.testing.assert_array_equal(
+        ours_out.outputs[0].new_logprobs.logprobs, check.outputs[0].new_logprobs.logprobs
+    )
     ours, ceiling = _interleaved(lambda: client.decode_outputs(frames), bare_lp_decode, rounds)
     results["decode_logprobs_aux"] = (ours, ceiling)
     return {
