@@ -177,11 +177,13 @@ async def test_invalid_request_is_refused_before_sending() -> None:
 
 async def test_raw_api_add_get_abort() -> None:
     async with open_client(ReferenceEngines(model="echo"), ready_timeout=30) as client:
+        with pytest.raises(anyio.WouldBlock):
+            client.get_output_nowait()  # no request sent yet: an idle engine sends nothing
         ids = [new_request_id("raw") for _ in range(3)]
         for i, rid in enumerate(ids):
+            # Each add_request is a checkpoint: outputs of the first may already be queued
+            # by the time the last is sent (the echo engine answers within a millisecond).
             await client.add_request(make_request([10 + i], max_tokens=5, request_id=rid))
-        with pytest.raises(anyio.WouldBlock):
-            client.get_output_nowait()  # nothing can be there yet: no checkpoint passed
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         finished: set[str] = set()
         with anyio.fail_after(10):
