@@ -21,10 +21,11 @@ atheris (``atheris_decoder.py``).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import tracemalloc
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -45,6 +46,9 @@ from trio_vllm import (
 from trio_vllm.protocol import UtilityCall
 
 from ._peer import Peer, peer_client, peers_client
+
+if TYPE_CHECKING:
+    from trio_vllm import EngineCoreClient
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -367,6 +371,13 @@ dp_messages = st.lists(
 )
 
 
+async def _round_trip(client: EngineCoreClient, rank: int) -> None:
+    """A utility call through ``rank``'s connection: when its reply is in, everything
+    that engine sent before it has been handled (or the client is dead)."""
+    with contextlib.suppress(EngineDeadError):
+        assert await client.call_utility("echo", "sync", rank=rank) == ["sync"]
+
+
 @FUZZ
 @given(sequence=dp_messages)
 async def test_fuzzed_frames_from_two_engines(sequence: list[FromRank]) -> None:
@@ -394,8 +405,14 @@ async def test_fuzzed_frames_from_two_engines(sequence: list[FromRank]) -> None:
                     await peer.wait_for(1)
                 expected = Expected()
                 broke = False
+                last_rank: int | None = None
                 for item in sequence:
                     peer = peers[item.rank]
+                    if not broke and last_rank is not None and item.rank != last_rank:
+                        # Two connections are not ordered with each other: let everything
+                        # the previous engine sent be handled before the next one sends.
+                        await _round_trip(client, last_rank)
+                    last_rank = item.rank
                     if isinstance(item.message, Valid):
                         await peer.send_frames(_encode_from(item.rank, item.message))
                         if not broke:
@@ -404,6 +421,9 @@ async def test_fuzzed_frames_from_two_engines(sequence: list[FromRank]) -> None:
                         await peer.send_frames(list(item.message.frames))
                         broke = True
                 for peer in peers:
+                    if not broke and last_rank is not None and peer.rank != last_rank:
+                        await _round_trip(client, last_rank)
+                    last_rank = peer.rank
                     closing = Valid(tuple((rid, (), 0) for rid in ("s0", "s1")))
                     await peer.send_frames(_encode_from(peer.rank, closing))
                     if not broke:
