@@ -269,31 +269,26 @@ class TinyModel:
     def greedy_next_tokens(self, seqs: list[Sequence]) -> list[int] | None:
         return None
 
-    def prompt_logits(self, seq: Sequence) -> npt.NDArray[np.float32]:
-        torch = self._torch
+    def _prompt_hidden(self, seq: Sequence, *, logits: bool) -> npt.NDArray[np.float32]:
+        """Forward the prompt part of ``seq`` alone; hidden states, or logits."""
         prompt_only = Sequence(
             list(seq.token_ids[: seq.num_prompt_tokens]),
             seq.num_prompt_tokens,
             seq.prompt_embeds,
             seq.embed_mask,
         )
-        with torch.inference_mode():
+        with self._torch.inference_mode():
             x, _ = self._inputs([prompt_only])
-            hidden = self._forward(x)[0]
-            logits = hidden @ self._params["lm_head"]  # type: ignore[index]
-            return logits.float().cpu().numpy()  # type: ignore[no-any-return]
+            out = self._forward(x)[0]
+            if logits:
+                out = out @ self._params["lm_head"]  # type: ignore[index]
+            return out.float().cpu().numpy()  # type: ignore[no-any-return]
+
+    def prompt_logits(self, seq: Sequence) -> npt.NDArray[np.float32]:
+        return self._prompt_hidden(seq, logits=True)
 
     def hidden_states(self, seq: Sequence) -> npt.NDArray[np.float32]:
-        torch = self._torch
-        prompt_only = Sequence(
-            list(seq.token_ids[: seq.num_prompt_tokens]),
-            seq.num_prompt_tokens,
-            seq.prompt_embeds,
-            seq.embed_mask,
-        )
-        with torch.inference_mode():
-            x, _ = self._inputs([prompt_only])
-            return self._forward(x)[0].float().cpu().numpy()  # type: ignore[no-any-return]
+        return self._prompt_hidden(seq, logits=False)
 
     def embed_tokens(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
         assert self._params is not None, "weights are discarded (sleep level 2)"

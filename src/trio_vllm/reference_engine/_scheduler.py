@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..protocol.structs import EngineCoreEventType as EventType
+from ..protocol.structs import FinishReason
 from ._sampler import Sampled, SamplingState, prompt_logprobs, sample_rows
 
 if TYPE_CHECKING:
@@ -41,20 +43,6 @@ __all__ = [
     "SchedulerConfig",
     "StepResult",
 ]
-
-
-class FinishReason(enum.IntEnum):
-    STOP = 0
-    LENGTH = 1
-    ABORT = 2
-    ERROR = 3
-    REPETITION = 4
-
-
-class EventType(enum.IntEnum):
-    QUEUED = 1
-    SCHEDULED = 2
-    PREEMPTED = 3
 
 
 class PauseState(enum.Enum):
