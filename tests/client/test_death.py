@@ -25,7 +25,7 @@ from .conftest import child_pids
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("frozen_heap")]
 
 # Budget for "promptly": the 100 ms of the specification, counted from the moment the
 # exit is observable (the process's pidfd becomes readable), not from the kill: under

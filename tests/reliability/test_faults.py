@@ -18,6 +18,8 @@ fails instead of blocking CI.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import signal
 import statistics
@@ -49,7 +51,7 @@ if TYPE_CHECKING:
     from trio_vllm import EngineCoreClient
     from trio_vllm.testing import ReferenceEngineSet
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90), pytest.mark.usefixtures("frozen_heap")]
 
 # The documented bound for death to reach every waiter once the exit is observable.
 DEATH_BOUND_S = 0.1
@@ -436,14 +438,37 @@ class KillFigures:
     streams: dict[str, float]  # distribution over the streams' EngineDeadError
     dead: float  # until the client itself was dead (wait_dead returned)
     cpu: float  # CPU time this process used until the last stream raised
+    gc_pauses: list[tuple[int, float]]  # (generation, ms) of each collection in the window
 
     def describe(self) -> str:
         dist = ", ".join(f"{k} {v:.1f}" for k, v in self.streams.items())
+        pauses = ", ".join(f"gen{g} {ms:.1f}" for g, ms in self.gc_pauses) or "none"
         return (
             f"client dead after {self.dead:.1f} ms; EngineDeadError in every stream after "
-            f"[{dist}] ms; {self.cpu:.1f} ms of CPU; load average {os.getloadavg()[0]:.1f} "
-            f"on {os.cpu_count()} CPUs"
+            f"[{dist}] ms; {self.cpu:.1f} ms of CPU; GC pauses [{pauses}] ms; load average "
+            f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
         )
+
+
+class _GCPauses:
+    """Collector passes while active, as (generation, ms)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], (time.perf_counter() - self._start) * 1e3))
+
+    def __enter__(self) -> _GCPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def _oversubscribed() -> bool:
@@ -489,7 +514,7 @@ async def _kill_with_open_streams(n: int, *, quiet: bool) -> KillFigures:
             await client.wait_dead()
             dead_at.append(time.monotonic())
 
-        with anyio.fail_after(60):
+        with anyio.fail_after(60), contextlib.ExitStack() as stack:
             async with anyio.create_task_group() as tg:
                 for i in range(n):
                     tg.start_soon(consumer, i)
@@ -503,6 +528,7 @@ async def _kill_with_open_streams(n: int, *, quiet: bool) -> KillFigures:
                         await anyio.sleep(0.3)
                 else:
                     await anyio.sleep(0.3)
+                gc_pauses = stack.enter_context(_GCPauses())
                 cpu0 = time.process_time()
                 t0 = time.monotonic()
                 os.kill(engines.control().pid, signal.SIGKILL)
@@ -513,6 +539,7 @@ async def _kill_with_open_streams(n: int, *, quiet: bool) -> KillFigures:
             streams=_quantiles([t - t0 for t in raised_at]),
             dead=(dead_at[0] - t0) * 1e3,
             cpu=(max(cpu_at) - cpu0) * 1e3,
+            gc_pauses=gc_pauses.pauses,
         )
 
 
