@@ -165,10 +165,10 @@ def test_utilities(client: SyncClient) -> None:
 def test_killing_the_engine_core_raises_engine_dead(client: SyncClient) -> None:
     """Runs last: SIGKILL the EngineCore process (the headless launcher's child) mid-stream.
 
-    The engine core is not our child: the launcher (``vllm serve --headless``) notices
-    its death (it polls its children's sentinels every second), shuts down and exits,
-    and the client sees that exit. So the bound here is the launcher's shutdown, not
-    the client's reaction time (which ``tests/client`` measures in milliseconds).
+    The engine core is not our child: our launcher script notices its death (its
+    sentinel), SIGTERMs the other cores and exits at once, and the client sees that
+    exit. The stock launcher would first shut down and tear down its interpreter
+    (7-38 s measured); the bound here is the launcher's reaction plus process exit.
     """
     (launcher,) = client.engine_pids.values()
     cores = [pid for pid in _children(launcher) if "EngineCore" in _cmdline(pid)]
@@ -182,7 +182,8 @@ def test_killing_the_engine_core_raises_engine_dead(client: SyncClient) -> None:
             pass
     elapsed = time.monotonic() - started
     print(f"EngineDeadError {elapsed:.2f} s after SIGKILL of the engine core: {info.value}")
-    assert elapsed < 150  # the launcher's own shutdown; slow on a loaded machine
+    assert elapsed < 5, elapsed
+    assert f"(pid {cores[0]}) exited with code -9" in str(info.value)
     assert "launcher" in str(info.value)
     with pytest.raises(EngineDeadError):
         client.get_supported_tasks()

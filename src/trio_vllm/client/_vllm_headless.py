@@ -6,6 +6,14 @@
 looks up the wrong package name, so this calls the entry point directly). It is a
 script, never imported by trio-vllm; it imports nothing from trio-vllm, and vLLM
 only by name at run time.
+
+One change to the stock behaviour: when an engine core dies on its own, the stock
+launcher shuts the others down, waits for them and exits through the interpreter's
+slow teardown (7-38 s measured on 2 cores), and the client can only see the death
+when the launcher has exited. Here the launcher exits at once instead (after
+SIGTERM to the other engine cores, which the client's stop then reaps with the
+launcher's process group), so the client raises ``EngineDeadError`` within
+milliseconds. A shutdown the client asks for (SIGTERM) takes the stock path.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 
 def _stop_when_orphaned() -> None:
@@ -31,6 +40,41 @@ def _stop_when_orphaned() -> None:
     threading.Thread(target=watch, name="trio-vllm-orphan-watch", daemon=True).start()
 
 
+def _exit_promptly_on_engine_death(serve: Any) -> None:
+    """Make ``run_headless`` use a process manager whose liveness monitor exits the
+    launcher as soon as an engine core dies unrequested (versions without the 0.32.0
+    ``CoreEngineProcManager.monitor_engine_liveness`` keep the stock behaviour)."""
+    manager_cls = getattr(serve, "CoreEngineProcManager", None)
+    if manager_cls is None or not hasattr(manager_cls, "monitor_engine_liveness"):
+        return
+    from multiprocessing import connection
+
+    class PromptExitManager(manager_cls):  # type: ignore[misc,valid-type]
+        def monitor_engine_liveness(self) -> None:
+            by_sentinel = {proc.sentinel: proc for proc in self.processes}
+            died: list[Any] = []
+            # The timeout only rechecks manager_stopped; a death wakes the wait at once.
+            while not died and not self.manager_stopped.is_set():
+                died = connection.wait(list(by_sentinel), timeout=1)
+            if not died:  # shutdown requested: the stock path
+                self.shutdown()
+                return
+            dead = by_sentinel[died[0]]
+            dead.join(0)
+            print(
+                f"[trio-vllm launcher] {dead.name} (pid {dead.pid}) exited with code "
+                f"{dead.exitcode}; stopping the other engine cores and exiting",
+                file=sys.stderr,
+                flush=True,
+            )
+            for proc in self.processes:
+                if proc.exitcode is None:
+                    proc.terminate()
+            os._exit(1)
+
+    serve.CoreEngineProcManager = PromptExitManager
+
+
 def main() -> None:
     serve = importlib.import_module("vllm.entrypoints.cli.serve")
     cli_args = importlib.import_module("vllm.entrypoints.launchers.cli_args")
@@ -41,6 +85,7 @@ def main() -> None:
     args.headless = True
     args.api_server_count = args.api_server_count or 1
     _stop_when_orphaned()
+    _exit_promptly_on_engine_death(serve)
     serve.run_headless(args)
 
 
