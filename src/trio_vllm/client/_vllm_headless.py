@@ -60,7 +60,9 @@ def _exit_promptly_on_engine_death(serve: Any) -> None:
                 self.shutdown()
                 return
             dead = by_sentinel[died[0]]
-            dead.join(0)
+            # The sentinel (a pipe) closes as the process tears down, a moment before
+            # it can be reaped: wait for the exit code (one CI-like run saw None).
+            dead.join(1.0)
             print(
                 f"[trio-vllm launcher] {dead.name} (pid {dead.pid}) exited with code "
                 f"{dead.exitcode}; stopping the other engine cores and exiting",
