@@ -98,6 +98,7 @@ async def _fill_peer(router: AsyncSocket) -> int:
     return filled
 
 
+@pytest.mark.usefixtures("frozen_heap")  # a CPU bound: see tests/conftest.py
 async def test_full_peer_backs_off_instead_of_spinning(ctx: zmq.Context[Any]) -> None:
     """A ROUTER send to a full peer waits with little CPU, then completes once it drains.
 
@@ -138,6 +139,7 @@ async def test_full_peer_backs_off_instead_of_spinning(ctx: zmq.Context[Any]) ->
     assert drained == [FILL] * filled + [b"last"]
 
 
+@pytest.mark.usefixtures("frozen_heap")  # a CPU bound: see tests/conftest.py
 async def test_backoff_does_not_ping_pong_with_a_waiting_receiver(ctx: zmq.Context[Any]) -> None:
     """A receiver waits on the same ROUTER while a send to a full peer backs off.
 
