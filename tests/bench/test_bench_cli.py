@@ -127,8 +127,22 @@ def test_startup() -> None:
     assert 0 <= med["asyncio"]["last_event_to_body_ms"] < med["asyncio"]["ready_ms"]
 
 
+@pytest.mark.timeout(120)
+def test_sync() -> None:
+    result = bench("sync", "--tokens", "200", "--rounds", "1", "--backend", "trio,asyncio")
+    assert result["tokens"] == 200
+    for backend in ("trio", "asyncio"):
+        row = result["backends"][backend]
+        for case in ("sync", "async"):
+            assert row[case]["outputs_per_s"] > 0
+            assert row[case]["cpu_us_per_output"] >= 0
+        assert row["ratio_sync_async"] == pytest.approx(
+            row["sync"]["outputs_per_s"] / row["async"]["outputs_per_s"]
+        )
+
+
 def test_help_lists_benchmarks() -> None:
     proc = subprocess.run([*CLI, "--help"], capture_output=True, text=True, timeout=30,
                           check=True)  # fmt: skip
-    for name in ("firehose", "latency", "idle", "startup"):
+    for name in ("firehose", "latency", "idle", "startup", "sync"):
         assert name in proc.stdout

@@ -136,6 +136,20 @@ def add_bench_parser(commands: Any) -> None:
     st.add_argument("--backend", default="trio,asyncio", metavar="B[,B]")
     common(st)
 
+    sy = subs.add_parser(
+        "sync",
+        help="a blocking SyncRequestStream consumer against async for, per output",
+        description=(
+            "Drains the buffered outputs of one request with SyncRequestStream and, "
+            "in the same rounds on the same client and engine, with async for in the "
+            "client's event loop. Prints outputs/s, CPU per output and sync/async."
+        ),
+    )
+    sy.add_argument("--tokens", type=int, default=5000, help="outputs per request")
+    sy.add_argument("--rounds", type=int, default=5, help="rounds per backend (default 5)")
+    sy.add_argument("--backend", default="trio,asyncio", metavar="B[,B]")
+    common(sy)
+
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark named by ``args.bench_command``; returns the exit status."""
@@ -155,4 +169,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from . import _startup
 
         return _startup.run(args)
+    if args.bench_command == "sync":
+        from . import _sync
+
+        return _sync.run(args)
     raise AssertionError(f"unhandled bench {args.bench_command!r}")
