@@ -77,6 +77,43 @@ async def test_error_after_buffered_outputs() -> None:
         await stream.receive()
 
 
+def test_receive_nowait() -> None:
+    """Takes what is buffered, in order, with coalesced rows finished; WouldBlock while
+    nothing is, EndOfStream after the final output (and after a local abort), and the
+    engine's death only behind the outputs that arrived before it."""
+    stream = RequestStream("r", 0, max_pending=2)
+    with pytest.raises(anyio.WouldBlock):
+        stream.receive_nowait()
+    for i in range(5):  # 0, 1 buffered; 2-4 merged into 1 with their logprob rows
+        stream._deliver(_out([i], new_logprobs=_lp([i])))
+    assert stream.receive_nowait().new_token_ids == [0]
+    merged = stream.receive_nowait()
+    assert merged.new_token_ids == [1, 2, 3, 4]
+    assert merged.new_logprobs.logprob_token_ids[:, 0].tolist() == [1, 2, 3, 4]
+    with pytest.raises(anyio.WouldBlock):
+        stream.receive_nowait()
+    stream._deliver(_out([5], 1))
+    assert stream.finish_reason is None
+    assert stream.receive_nowait().new_token_ids == [5]
+    assert stream.finish_reason == 1
+    with pytest.raises(anyio.EndOfStream):
+        stream.receive_nowait()
+
+    dying = RequestStream("d", 0)
+    dying._deliver(_out([1]))
+    dying._fail(lambda: EngineDeadError("gone"))
+    assert dying.receive_nowait().new_token_ids == [1]
+    for _ in range(2):  # raised again on every call
+        with pytest.raises(EngineDeadError, match="gone"):
+            dying.receive_nowait()
+
+    aborted = RequestStream("a", 0)
+    aborted._deliver(_out([1]))
+    aborted._abort_locally()
+    with pytest.raises(anyio.EndOfStream):
+        aborted.receive_nowait()
+
+
 async def test_waiting_consumer_is_woken_by_failure() -> None:
     stream = RequestStream("r", 0)
 

@@ -11,13 +11,13 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from trio_vllm import EngineDeadError, EngineStartupError, UtilityCallError
 from trio_vllm.client import ReferenceEngines, make_request
-from trio_vllm.sync import SyncClient
+from trio_vllm.sync import SyncClient, SyncRequestStream
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -216,6 +216,66 @@ def test_engine_death_raises_in_blocked_callers(backend: str) -> None:
         with pytest.raises(EngineDeadError):
             client.generate(make_request([1], max_tokens=2))
         assert client.dead
+
+
+def _wait_until_finished(client: SyncClient, stream: SyncRequestStream) -> None:
+    """Until the engine has sent the request's final output (reaches into the async
+    stream, which only the client's event loop may touch: through the portal)."""
+
+    async def wait() -> None:
+        import anyio
+
+        with anyio.fail_after(30):
+            while not stream._stream.finished:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+
+    client.portal.call(wait)
+
+
+def test_buffered_outputs_come_in_one_round_trip(backend: str) -> None:
+    """Outputs that already arrived are fetched in one portal call, not one each, and
+    the stream still hands them out one by one: finish_reason only with the last."""
+    engines = ReferenceEngines(model="echo")
+    with SyncClient(engines, backend=backend, ready_timeout=READY, stream_buffer=1000) as client:
+        stream = client.generate(make_request([1, 5, 7], max_tokens=300))
+        _wait_until_finished(client, stream)
+        calls = 0
+        real_call = client._call
+
+        def counting_call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            return real_call(*args, **kwargs)
+
+        client._call = counting_call  # type: ignore[method-assign]
+        outputs = []
+        for output in stream:
+            outputs.append(output)
+            assert (stream.finish_reason is None) == (output.finish_reason is None)
+        assert [t for o in outputs for t in o.new_token_ids] == echo_tokens([1, 5, 7], 300)
+        assert len(outputs) == 300  # nothing coalesced: the buffer held them all
+        assert calls == 2, calls  # one for the 300 outputs, one to learn that it ended
+        assert stream.finish_reason == 1
+        assert stream.closed
+        assert not stream.aborted
+
+
+def test_engine_death_after_buffered_outputs(backend: str) -> None:
+    """Outputs that arrived before the engine died are all handed out, in order and
+    without a gap, then EngineDeadError; none is lost in a fetched batch."""
+    engines = ReferenceEngines(model="echo", extra_args=LONG)
+    with SyncClient(engines, backend=backend, ready_timeout=READY, stream_buffer=100_000) as client:
+        (pid,) = client.engine_pids.values()
+        stream = client.generate(make_request([1, 2, 3], max_tokens=900_000))
+        tokens = list(next(stream).new_token_ids)
+        time.sleep(0.3)  # let outputs pile up in the stream's buffer
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):  # noqa: PT012 - the raise ends the loop
+            for output in stream:
+                tokens.extend(output.new_token_ids)
+        assert len(tokens) > 50, len(tokens)
+        assert tokens == echo_tokens([1, 2, 3], len(tokens))
+        assert stream.closed
 
 
 def test_startup_failure_raises_and_leaves_no_thread(backend: str) -> None:

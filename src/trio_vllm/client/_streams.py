@@ -202,19 +202,22 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
+    def _take(self) -> Any:
+        output = self._pending.popleft()
+        if not self._pending and self._lp_parts is not None:
+            _finish_merge(output, self._lp_parts)
+            self._lp_parts = None
+        if output.finish_reason is not None:
+            self.finish_reason = output.finish_reason
+            self._done = True
+        return output
+
     async def __anext__(self) -> Any:
         while True:
             # Checkpoint first, then take: a cancelled call has consumed nothing.
             await anyio.lowlevel.checkpoint()
             if self._pending:
-                output = self._pending.popleft()
-                if not self._pending and self._lp_parts is not None:
-                    _finish_merge(output, self._lp_parts)
-                    self._lp_parts = None
-                if output.finish_reason is not None:
-                    self.finish_reason = output.finish_reason
-                    self._done = True
-                return output
+                return self._take()
             if self._done or self.aborted:
                 raise StopAsyncIteration
             if self._error is not None:
@@ -222,6 +225,21 @@ class RequestStream:
             if self._wakeup.is_set():
                 self._wakeup = anyio.Event()
             await self._wakeup.wait()
+
+    def receive_nowait(self) -> Any:
+        """The next output if one has arrived, without waiting (not a checkpoint).
+
+        Raises ``anyio.WouldBlock`` when none is buffered yet, ``anyio.EndOfStream``
+        after the last one, and :class:`~trio_vllm.EngineDeadError` as :meth:`receive`
+        does (once every output that arrived before the death is consumed).
+        """
+        if self._pending:
+            return self._take()
+        if self._done or self.aborted:
+            raise anyio.EndOfStream
+        if self._error is not None:
+            raise self._error()
+        raise anyio.WouldBlock
 
     async def receive(self) -> Any:
         """The next output; ``anyio.EndOfStream`` after the last one."""
