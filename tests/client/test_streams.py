@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -66,6 +69,52 @@ async def test_cancelled_receive_consumes_nothing() -> None:
         await stream.receive()
     assert scope.cancelled_caught
     assert (await stream.receive()).new_token_ids == [7]
+
+
+async def test_cancelled_receive_consumes_nothing_between_yields() -> None:
+    """Between its scheduler passes (at most one per YIELD_INTERVAL while outputs are
+    buffered) a receive still checks for cancellation, and consumes nothing then."""
+    stream = RequestStream("r", 0)
+    stream._deliver(_out([7]))
+    stream._deliver(_out([8]))
+    assert (await stream.receive()).new_token_ids == [7]
+    stream._yield_due = time.monotonic() + 60  # inside the no-yield window, for sure
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await stream.receive()
+    assert scope.cancelled_caught
+    assert (await stream.receive()).new_token_ids == [8]
+
+
+async def test_draining_a_backlog_yields_to_other_tasks() -> None:
+    """A consumer that always finds outputs buffered still lets other tasks run (at
+    least once per YIELD_INTERVAL), and loses nothing."""
+    n = 200_000
+    stream = RequestStream("r", 0, max_pending=n)
+    for i in range(n):
+        stream._deliver(_out([i], 1 if i == n - 1 else None))
+    ticks = 0
+    ticks_during: list[int] = []
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await anyio.lowlevel.checkpoint()
+        start = ticks
+        received = 0
+        async for out in stream:
+            assert out.new_token_ids == [received]
+            received += 1
+            if received == n // 2:
+                ticks_during.append(ticks - start)
+        tg.cancel_scope.cancel()
+    assert received == n
+    assert ticks_during[0] > 0, "the drain never yielded"
 
 
 async def test_error_after_buffered_outputs() -> None:

@@ -143,7 +143,9 @@ async def test_generate_long_request_is_aborted_on_the_engine(
             for _ in range(5):
                 await stream.receive()
 
-    await _sweep(scenario, engines=reference_engines, min_checkpoints=4)
+    # Add, the first receive's wait, and the abort at least; a receive that finds an
+    # output buffered within 1 ms of its previous yield only checks for cancellation.
+    await _sweep(scenario, engines=reference_engines, min_checkpoints=3)
 
 
 @pytest.mark.reference_engines(**ENGINES)

@@ -149,7 +149,11 @@ def complete_exchange(
         sessions.append(session)
         async with anyio.create_task_group() as tg:
             tg.start_soon(read_lines, receive)
-            with send:
+            # As the HTTP layer of a server does, a disconnect ends the exchange quietly.
+            # The reader is cancelled with the exchange and closes its end; on asyncio
+            # that can wake handle()'s pending send (a disconnect) before anyio delivers
+            # the cancellation to it, which is a correct outcome too.
+            with send, contextlib.suppress(anyio.BrokenResourceError):
                 await session.handle("GENERATE 6 4 5 6")
 
     return scenario
@@ -172,9 +176,11 @@ async def test_harness_finds_the_leaky_session(reference_engines: ReferenceEngin
     assert first.ok
     leaking = report.broken_at("client-requests")
     assert leaking, str(report)
-    # Cancelled while the stream was open: inside handle(), after the stream opened.
+    # Cancelled while the stream was open: inside handle(), after the stream opened
+    # (the run ends cancelled, or by the disconnect that the cancellation caused).
     for run in report.failures:
-        assert run.outcome == "cancelled"
+        assert run.cancel_requested
+        assert run.outcome in ("cancelled", "returned")
         assert "test_example_streaming.py" in run.location
         assert "in handle" in run.location
     text = str(report)

@@ -49,7 +49,7 @@ from ..protocol.handshake import (
 )
 from ..protocol.routing import LoadBalancer, StartWave, WaveTracker
 from ..transport import AsyncSocket, PrivateIpcDir, tcp_endpoint
-from ._streams import RequestStream
+from ._streams import YIELD_INTERVAL, RequestStream
 from ._wire import Wire
 
 if TYPE_CHECKING:
@@ -64,10 +64,6 @@ __all__ = ["EngineCoreClient", "EngineEvent", "EngineEvents", "StartupProgress",
 DEFAULT_READY_TIMEOUT: Final = 600.0
 DEFAULT_SHUTDOWN_GRACE: Final = 5.0
 
-# While get_output drains a backlog it yields to the scheduler at least this often;
-# between yields it only checks for cancellation. A full scheduler pass per batch was a
-# third of the raw API's CPU (bench firehose, 1 output per message).
-_RAW_YIELD_INTERVAL: Final = 0.001
 # Reserved engine-initiated call ids (PROTOCOL.md §6.4): never matched to calls.
 _RESERVED_CALL_IDS: Final = frozenset({-1, -2})
 # After an engine process exit: drain its last outputs until quiet this long, at most
@@ -589,7 +585,7 @@ class EngineCoreClient:
             return self._raw_outputs.popleft()
         await anyio.lowlevel.checkpoint()
         while True:
-            self._raw_yield_due = time.monotonic() + _RAW_YIELD_INTERVAL
+            self._raw_yield_due = time.monotonic() + YIELD_INTERVAL
             if self._raw_outputs:
                 return self._raw_outputs.popleft()
             self._check_alive()
