@@ -162,7 +162,9 @@ class SyncRequestStream:
             if self._closed:
                 return
             self._closed = True
-        self._batch.clear()
+        # The batch is left alone: the iterating thread may be between its emptiness
+        # check and its popleft (close() may come from any thread); once closed,
+        # __next__ hands nothing more out anyway.
         self._owner._streams.discard(self)
         if self._owner._portal is None:
             return  # the client already closed; open_client cleaned everything up
