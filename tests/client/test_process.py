@@ -6,11 +6,15 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import anyio
 import pytest
 
 from trio_vllm.client._process import EngineProcess, spawn_engine_process
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 pytestmark = pytest.mark.anyio
 
@@ -116,6 +120,84 @@ async def test_stop_sigterm_then_sigkill_and_reap_group() -> None:
             if stat.split(") ")[1].startswith("Z"):
                 break
             await anyio.sleep(0.02)
+
+
+_LAUNCHER = (
+    "import os, signal, subprocess, sys\n"
+    "child = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]])\n"
+    "print('child', child.pid, flush=True)\n"
+    "import time; time.sleep(0.3)\n"
+    "child.terminate()\n"
+    "os._exit(1)  # quits at once, as our vLLM launcher does when an engine core dies\n"
+)
+
+
+def _engine_core(teardown_s: float, *, ignore_sigterm: bool = False) -> str:
+    """A child that, on SIGTERM, takes ``teardown_s`` to shut down, then writes its
+    marker file (argv[1]) and exits; or ignores SIGTERM."""
+    if ignore_sigterm:
+        return "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    return (
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        f"    time.sleep({teardown_s})\n"
+        "    open(sys.argv[1], 'w').write('clean')\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "time.sleep(60)\n"
+    )
+
+
+async def _launcher_that_quit_first(code: str, marker: str) -> tuple[EngineProcess, int]:
+    proc = await spawn_engine_process(
+        [sys.executable, "-c", _LAUNCHER, code, marker], name="launcher", ranks=[0]
+    )
+    assert proc.process.stdout is not None
+    data = b""
+    with anyio.fail_after(10):
+        while not data.endswith(b"\n"):  # unbuffered: print() may arrive in pieces
+            data += await proc.process.stdout.receive()
+    child = int(data.split()[1])
+    with anyio.fail_after(10):
+        assert await proc.process.wait() == 1
+    return proc, child
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def test_stop_lets_children_that_outlive_the_launcher_finish(tmp_path: Path) -> None:
+    """A launcher that exited first (its engine core still shutting down after its
+    SIGTERM): stop gives the rest of the group the grace, instead of SIGKILL at once."""
+    marker = str(tmp_path / "clean")
+    proc, child = await _launcher_that_quit_first(_engine_core(0.5), marker)
+    start = time.monotonic()
+    await proc.stop(grace=5)
+    elapsed = time.monotonic() - start
+    assert await anyio.Path(marker).read_text() == "clean"  # its teardown ran to the end
+    assert not _running(child)
+    assert elapsed < 4, elapsed
+
+
+async def test_stop_kills_children_that_outlive_the_launcher_after_the_grace(
+    tmp_path: Path,
+) -> None:
+    marker = str(tmp_path / "clean")
+    proc, child = await _launcher_that_quit_first(_engine_core(0, ignore_sigterm=True), marker)
+    start = time.monotonic()
+    await proc.stop(grace=0.5)
+    elapsed = time.monotonic() - start
+    assert 0.45 < elapsed < 5, elapsed
+    with anyio.fail_after(5):
+        while _running(child):  # noqa: ASYNC110 - not our child: nothing to wait on
+            await anyio.sleep(0.02)
+    assert not await anyio.Path(marker).exists()
 
 
 async def test_stop_graceful_exit_within_grace() -> None:

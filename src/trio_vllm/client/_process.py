@@ -6,9 +6,10 @@ workers) can be killed with it. Its stdout and stderr are merged into one pipe t
 task drains all the time, keeping the last lines in a bounded ring for error messages;
 the pipe is never left full, so a chatty engine never blocks on a write.
 
-Shutdown is SIGTERM to the process, a grace period, then SIGKILL to its whole process
-group, then reaping: no zombie is left, also when the caller is cancelled (the
-shutdown runs shielded under its own deadline).
+Shutdown is SIGTERM to the process (to its whole group if it already exited: a
+launcher may quit before its children), a grace period that also covers group members
+outliving it, then SIGKILL to the whole group, then reaping: no zombie is left, also
+when the caller is cancelled (the shutdown runs shielded under its own deadline).
 """
 
 from __future__ import annotations
@@ -124,17 +125,31 @@ class EngineProcess:
         on_exit(self)
 
     async def stop(self, grace: float) -> None:
-        """SIGTERM, wait ``grace`` seconds, SIGKILL the process group, reap.
+        """SIGTERM, wait up to ``grace`` seconds for the process and the members of its
+        group that outlive it, SIGKILL the group, reap.
 
         Idempotent. Always runs to completion: shielded from outer cancellation, and
         bounded by ``grace`` plus a few seconds.
         """
         with anyio.CancelScope(shield=True):
+            deadline = anyio.current_time() + grace
             if self.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     self.process.send_signal(signal.SIGTERM)
                 with anyio.move_on_after(grace):
                     await self.process.wait()
+            else:
+                # It exited first, e.g. a vLLM launcher that quits as soon as one of its
+                # engine cores dies: the rest of its group get SIGTERM too (the launcher
+                # may have sent it already), not an instant SIGKILL mid-teardown.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.pid, signal.SIGTERM)
+            # Members that outlive the leader get the rest of the grace.
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                # Polled: nothing notifies us of a non-child's exit (pidfds are per
+                # process, and the members are not known up front).
+                while _group_has_live_members(self.pid):  # noqa: ASYNC110
+                    await anyio.sleep(0.05)
             # Kill whatever is left of the group (the process itself if it ignored
             # SIGTERM, or children a launcher left behind).
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -143,6 +158,32 @@ class EngineProcess:
                 self.returncode = await self.process.wait()
             with anyio.move_on_after(_KILL_WAIT_S):
                 await self.process.aclose()
+
+
+def _group_has_live_members(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies do not count: an orphan
+    lingers as one until its new parent reaps it, which some container inits never do)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or not readable
+        if int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False
 
 
 async def spawn_engine_process(
