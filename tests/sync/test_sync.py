@@ -232,12 +232,14 @@ def _wait_until_finished(client: SyncClient, stream: SyncRequestStream) -> None:
     client.portal.call(wait)
 
 
-def test_buffered_outputs_come_in_one_round_trip(backend: str) -> None:
-    """Outputs that already arrived are fetched in one portal call, not one each, and
-    the stream still hands them out one by one: finish_reason only with the last."""
-    engines = ReferenceEngines(model="echo")
-    with SyncClient(engines, backend=backend, ready_timeout=READY, stream_buffer=1000) as client:
-        stream = client.generate(make_request([1, 5, 7], max_tokens=300))
+def test_buffered_outputs_come_in_batches(backend: str) -> None:
+    """Outputs that already arrived are fetched up to 1,024 per portal call, not one
+    each, and the stream still hands them out one by one: finish_reason only with the
+    last."""
+    engines = ReferenceEngines(model="echo", extra_args=LONG)
+    n = 3000
+    with SyncClient(engines, backend=backend, ready_timeout=READY, stream_buffer=n) as client:
+        stream = client.generate(make_request([1, 5, 7], max_tokens=n))
         _wait_until_finished(client, stream)
         calls = 0
         real_call = client._call
@@ -252,12 +254,30 @@ def test_buffered_outputs_come_in_one_round_trip(backend: str) -> None:
         for output in stream:
             outputs.append(output)
             assert (stream.finish_reason is None) == (output.finish_reason is None)
-        assert [t for o in outputs for t in o.new_token_ids] == echo_tokens([1, 5, 7], 300)
-        assert len(outputs) == 300  # nothing coalesced: the buffer held them all
-        assert calls == 2, calls  # one for the 300 outputs, one to learn that it ended
+        assert [t for o in outputs for t in o.new_token_ids] == echo_tokens([1, 5, 7], n)
+        assert len(outputs) == n  # nothing coalesced: the buffer held them all
+        assert calls == 4, calls  # 1,024 + 1,024 + 952 outputs, then one to learn the end
         assert stream.finish_reason == 1
         assert stream.closed
         assert not stream.aborted
+
+
+def test_abort_requests_stops_a_fetched_batch(backend: str) -> None:
+    """abort_requests() ends the stream at once, also when outputs fetched before the
+    abort are still waiting in the stream's batch (as the async stream drops its
+    buffer)."""
+    engines = ReferenceEngines(model="echo", extra_args=LONG)
+    with SyncClient(engines, backend=backend, ready_timeout=READY, stream_buffer=100_000) as client:
+        stream = client.generate(make_request([1, 2, 3], max_tokens=900_000))
+        next(stream)
+        time.sleep(0.2)  # outputs pile up
+        next(stream)  # fetches them as one batch
+        assert len(stream._batch) > 10, len(stream._batch)
+        client.abort_requests([stream.request_id])
+        assert list(stream) == []
+        assert stream.aborted
+        assert stream.closed
+        assert engine_is_idle(client)
 
 
 def test_engine_death_after_buffered_outputs(backend: str) -> None:
