@@ -61,7 +61,9 @@ def _exit_promptly_on_engine_death(serve: Any) -> None:
                 return
             dead = by_sentinel[died[0]]
             # The sentinel (a pipe) closes as the process tears down, a moment before
-            # it can be reaped: wait for the exit code (one CI-like run saw None).
+            # it can be reaped: reap it for the exit code (join(0) once gave None).
+            # Once the sentinel is ready, multiprocessing's wait is a blocking waitpid,
+            # so the timeout does not bound it; the exit is already under way.
             dead.join(1.0)
             print(
                 f"[trio-vllm launcher] {dead.name} (pid {dead.pid}) exited with code "

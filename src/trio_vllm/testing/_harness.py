@@ -67,7 +67,9 @@ class CheckpointRun:
         cancel_requested: the run reached ``checkpoint`` and the cancellation was
             requested there.
         outcome: ``"cancelled"``, ``"returned"`` (finished normally: it ended before
-            the checkpoint, or the cancellation landed in a shielded section),
+            the checkpoint, the cancellation landed in a shielded section, or the
+            scenario itself handled what the cancellation caused, e.g. a suppressed
+            disconnect; ``cancel_requested`` tells these apart),
             ``"raised"`` (an exception other than the cancellation escaped) or
             ``"timed out"`` (``run_timeout`` passed).
         error: the exception for ``"raised"``.
