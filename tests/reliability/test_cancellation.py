@@ -124,8 +124,11 @@ async def test_generate_and_iteration(reference_engines: ReferenceEngineSet) -> 
         if run.outcome == "returned":
             assert tokens.pop() == [3, 4, 5, 3, 4, 5]
 
+    # At least the ADD's send, the first receive and the one that ends the iteration:
+    # receives that find outputs buffered within 1 ms of the last yield do not yield
+    # (on a loaded machine all six outputs can be buffered before the first receive).
     report = await _sweep(
-        scenario, engines=reference_engines, checks=[complete_when_returned], min_checkpoints=4
+        scenario, engines=reference_engines, checks=[complete_when_returned], min_checkpoints=3
     )
     print(f"generate: {report.checkpoints} checkpoints, swept k = 1..{len(report.runs) - 1}")
 

@@ -191,7 +191,7 @@ def test_plugin_in_a_fresh_project(tmp_path: Path) -> None:
 
             report = await check_cancellation(scenario, engines=reference_engines)
             report.assert_ok()
-            assert report.checkpoints > 3
+            assert report.checkpoints >= 3  # send, first receive, end (at least)
     '''))
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
