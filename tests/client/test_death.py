@@ -19,6 +19,7 @@ import pytest
 
 from trio_vllm import EngineDeadError, EngineStartupError, ProtocolError
 from trio_vllm.client import EngineCoreClient, ReferenceEngines, make_request, open_client
+from trio_vllm.protocol import EngineCodec, EngineCoreOutputs
 
 from .conftest import child_pids
 
@@ -239,3 +240,33 @@ async def test_one_of_two_engines_dies() -> None:
             error = await client.wait_dead()
         assert error.rank == 1
         await _assert_every_call_raises(client)
+
+
+class _NeverQuietSocket:
+    """Stands in for an output socket that another engine keeps full: every
+    ``receive_nowait`` returns one more (empty) output message from rank 0."""
+
+    def __init__(self) -> None:
+        self.frames = [bytes(f) for f in EngineCodec().encode_outputs(EngineCoreOutputs(0))]
+        self.taken = 0
+
+    def receive_nowait(self) -> list[bytes]:
+        self.taken += 1
+        return self.frames
+
+
+async def test_drain_after_exit_ends_at_its_deadline_on_a_never_quiet_socket() -> None:
+    """After an engine exit the receive task reads what the engine sent last, until the
+    socket has been quiet for a few ms but at most 30 ms. With data parallelism other
+    engines share that socket; one that keeps it full must not hold the death back
+    (it checked the deadline only when the socket was empty: a loaded run declared a
+    death 10-13 s late, once the other engines' requests had ended)."""
+    async with open_client(ReferenceEngines(model="echo"), ready_timeout=60) as client:
+        socket = _NeverQuietSocket()
+        started = time.monotonic()
+        with anyio.fail_after(5):
+            await client._drain_after_exit(socket)  # type: ignore[arg-type]
+        elapsed = time.monotonic() - started
+        assert socket.taken > 10  # it did drain
+        assert elapsed < 1.0, elapsed  # 30 ms, with room for a loaded machine
+        assert not client.dead

@@ -1261,13 +1261,18 @@ class EngineCoreClient:
         deadline = anyio.current_time() + _EXIT_DRAIN_S
         quiet_since: float | None = None
         while not self.dead:
+            # The deadline is checked on every message, not only when the socket is
+            # empty: with data parallelism other engines share the socket, and one that
+            # keeps it full would otherwise hold the death back until it goes quiet.
+            now = anyio.current_time()
+            if now >= deadline:
+                return
             try:
                 frames = socket.receive_nowait()
             except anyio.WouldBlock:
-                now = anyio.current_time()
                 if quiet_since is None:
                     quiet_since = now
-                if now - quiet_since >= _EXIT_QUIET_S or now >= deadline:
+                if now - quiet_since >= _EXIT_QUIET_S:
                     return
                 await anyio.sleep(0.001)
                 continue
