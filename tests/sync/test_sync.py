@@ -232,6 +232,20 @@ def _wait_until_finished(client: SyncClient, stream: SyncRequestStream) -> None:
     client.portal.call(wait)
 
 
+def _wait_until_buffered(client: SyncClient, stream: SyncRequestStream, n: int) -> None:
+    """Until the async stream holds ``n`` outputs not yet fetched (a sleep would assume
+    how fast a loaded machine runs the engine)."""
+
+    async def wait() -> None:
+        import anyio
+
+        with anyio.fail_after(30):
+            while len(stream._stream._pending) < n:  # noqa: ASYNC110
+                await anyio.sleep(0.005)
+
+    client.portal.call(wait)
+
+
 def test_buffered_outputs_come_in_batches(backend: str) -> None:
     """Outputs that already arrived are fetched up to 1,024 per portal call, not one
     each, and the stream still hands them out one by one: finish_reason only with the
@@ -270,9 +284,11 @@ def test_abort_requests_stops_a_fetched_batch(backend: str) -> None:
     with SyncClient(engines, backend=backend, ready_timeout=READY, stream_buffer=100_000) as client:
         stream = client.generate(make_request([1, 2, 3], max_tokens=900_000))
         next(stream)
-        time.sleep(0.2)  # outputs pile up
+        while stream._batch:  # hand out what the first fetch brought
+            next(stream)
+        _wait_until_buffered(client, stream, 50)
         next(stream)  # fetches them as one batch
-        assert len(stream._batch) > 10, len(stream._batch)
+        assert len(stream._batch) >= 49, len(stream._batch)
         client.abort_requests([stream.request_id])
         assert list(stream) == []
         assert stream.aborted
@@ -288,12 +304,12 @@ def test_engine_death_after_buffered_outputs(backend: str) -> None:
         (pid,) = client.engine_pids.values()
         stream = client.generate(make_request([1, 2, 3], max_tokens=900_000))
         tokens = list(next(stream).new_token_ids)
-        time.sleep(0.3)  # let outputs pile up in the stream's buffer
+        _wait_until_buffered(client, stream, 100)
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError):  # noqa: PT012 - the raise ends the loop
             for output in stream:
                 tokens.extend(output.new_token_ids)
-        assert len(tokens) > 50, len(tokens)
+        assert len(tokens) > 100, len(tokens)
         assert tokens == echo_tokens([1, 2, 3], len(tokens))
         assert stream.closed
 
