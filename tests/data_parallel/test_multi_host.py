@@ -5,18 +5,23 @@ endpoints, as if on two machines), plus a locally spawned engine, behind one cli
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
-import anyio.abc
 import pytest
 
 from trio_vllm import EngineDeadError
 from trio_vllm.client import ExternalEngines, make_request, open_client
 
 from .conftest import CountingEngines, counting_command
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Callable
+
+    from anyio.abc import Process
 
 pytestmark = pytest.mark.anyio
 
@@ -30,23 +35,44 @@ def _free_port(host: str) -> int:
         return port
 
 
+@contextlib.asynccontextmanager
+async def _engines_started_by_hand() -> AsyncIterator[Callable[[str, int], Awaitable[Process]]]:
+    """Yields ``start(handshake_address, rank)``, which starts a counting engine the way
+    an operator would on its host; every one started is killed and reaped on exit
+    (shielded)."""
+    processes: list[Process] = []
+
+    async def start(address: str, rank: int) -> Process:
+        process = await anyio.open_process(
+            counting_command(address, rank),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=None,
+        )
+        processes.append(process)
+        return process
+
+    try:
+        yield start
+    finally:
+        with anyio.CancelScope(shield=True):
+            for process in processes:
+                if process.returncode is None:
+                    process.kill()
+                await process.aclose()
+
+
 async def test_engines_on_two_hosts_and_a_local_one() -> None:
     host_a, host_b = "127.0.0.2", "127.0.0.3"
     handshake_a = f"tcp://{host_a}:{_free_port(host_a)}"
     handshake_b = f"tcp://{host_b}:{_free_port(host_b)}"
-    processes: list[anyio.abc.Process] = []
-    try:
+    async with _engines_started_by_hand() as start:
         # "Host A" runs ranks 0-1, "host B" rank 2, as `vllm serve --headless
         # --data-parallel-start-rank R --data-parallel-address HOST` would.
-        for address, rank in [(handshake_a, 0), (handshake_a, 1), (handshake_b, 2)]:
-            processes.append(
-                await anyio.open_process(
-                    counting_command(address, rank),
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=None,
-                )
-            )
+        processes = [
+            await start(address, rank)
+            for address, rank in [(handshake_a, 0), (handshake_a, 1), (handshake_b, 2)]
+        ]
         sources = [
             ExternalEngines(handshake_a, count=2),
             ExternalEngines(handshake_b, count=1, start_rank=2),
@@ -90,28 +116,13 @@ async def test_engines_on_two_hosts_and_a_local_one() -> None:
                     async with client.generate(make_request([7], max_tokens=2), rank=rank) as s:
                         results[rank] = await s.collect()
             assert results == {0: [7, 7], 1: [7, 7], 3: [7, 7]}
-    finally:
-        with anyio.CancelScope(shield=True):
-            for process in processes:
-                if process.returncode is None:
-                    process.kill()
-                await process.aclose()
 
 
 async def test_losing_a_host_fails_the_client_by_default_naming_the_rank() -> None:
     hosts = ["127.0.0.2", "127.0.0.3"]
     handshakes = [f"tcp://{h}:{_free_port(h)}" for h in hosts]
-    processes: list[anyio.abc.Process] = []
-    try:
-        for rank, address in enumerate(handshakes):
-            processes.append(
-                await anyio.open_process(
-                    counting_command(address, rank),
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=None,
-                )
-            )
+    async with _engines_started_by_hand() as start:
+        processes = [await start(address, rank) for rank, address in enumerate(handshakes)]
         sources = [
             ExternalEngines(handshakes[0], count=1),
             ExternalEngines(handshakes[1], count=1, start_rank=1),
@@ -126,49 +137,25 @@ async def test_losing_a_host_fails_the_client_by_default_naming_the_rank() -> No
                         await s.collect()
             assert error.rank == 1
             assert "lost the connection" in str(error)
-    finally:
-        with anyio.CancelScope(shield=True):
-            for process in processes:
-                if process.returncode is None:
-                    process.kill()
-                await process.aclose()
 
 
 async def test_a_host_joins_a_running_client() -> None:
     hosts = ["127.0.0.2", "127.0.0.3"]
     handshakes = [f"tcp://{h}:{_free_port(h)}" for h in hosts]
-    processes: list[anyio.abc.Process] = []
-
-    async def start(address: str, rank: int) -> None:
-        processes.append(
-            await anyio.open_process(
-                counting_command(address, rank),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=None,
-            )
-        )
-
-    try:
+    async with _engines_started_by_hand() as start:
         await start(handshakes[0], 0)
         async with open_client(
             ExternalEngines(handshakes[0]), ready_timeout=60, on_engine_death="continue"
         ) as client:
             with anyio.fail_after(60):
-                await start(handshakes[1], 1)
+                joined = await start(handshakes[1], 1)
                 assert await client.add_engines(
                     ExternalEngines(handshakes[1], start_rank=1), ready_timeout=30
                 ) == [1]
                 async with client.generate(make_request([6], max_tokens=2), rank=1) as s:
                     assert await s.collect() == [6, 6]
                 # The joined host is watched like the others: its loss names rank 1.
-                processes[1].kill()
+                joined.kill()
                 event = await client.engine_events.receive()
                 assert (event.kind, event.rank) == ("rank_lost", 1)
                 assert client.live_ranks == [0]
-    finally:
-        with anyio.CancelScope(shield=True):
-            for process in processes:
-                if process.returncode is None:
-                    process.kill()
-                await process.aclose()
