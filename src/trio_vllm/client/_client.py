@@ -1184,9 +1184,7 @@ class EngineCoreClient:
                             return
         except anyio.ClosedResourceError:
             return
-        except anyio.get_cancelled_exc_class():
-            raise
-        except Exception as exc:
+        except Exception as exc:  # cancellation is a BaseException: it passes through
             self._set_dead(f"input socket monitor failed: {exc!r}", cause=exc)
 
     async def _guard_input_messages(self, socket: AsyncSocket) -> None:
@@ -1214,9 +1212,7 @@ class EngineCoreClient:
                     return
         except anyio.ClosedResourceError:
             return
-        except anyio.get_cancelled_exc_class():
-            raise
-        except Exception as exc:
+        except Exception as exc:  # cancellation is a BaseException: it passes through
             self._set_dead(f"input socket failed: {exc!r}", cause=exc)
 
     async def _receive_loop(self, socket: AsyncSocket) -> None:
@@ -1247,9 +1243,7 @@ class EngineCoreClient:
                 self._set_dead("output socket closed", cause=None)
         except ProtocolError as exc:
             self._set_dead(f"protocol error on the output socket: {exc}", cause=exc)
-        except anyio.get_cancelled_exc_class():
-            raise
-        except Exception as exc:
+        except Exception as exc:  # cancellation is a BaseException: it passes through
             self._set_dead(f"receive task failed: {exc!r}", cause=exc)
         finally:
             self._receive_scope = None
