@@ -1,0 +1,24 @@
+"""The OpenAI-compatible HTTP server (``trio-vllm serve``): vLLM's API on trio or asyncio.
+
+:class:`OpenAIServer` is a plain ASGI app over a text frontend (``trio_vllm.llm``);
+:func:`serve_app` serves any ASGI app with hypercorn (trio worker under trio, asyncio
+worker under asyncio); :func:`run_openai_server` is the whole command: engines, frontend,
+app, signals and the engine-death policy. hypercorn and prometheus_client are imported
+only when an app is built or served.
+"""
+
+from __future__ import annotations
+
+from ._app import DEFAULT_MAX_BODY_BYTES as DEFAULT_MAX_BODY_BYTES
+from ._app import OpenAIServer as OpenAIServer
+from ._frontend import TextFrontend as TextFrontend
+from ._serve import DEFAULT_SHUTDOWN_GRACE as DEFAULT_SHUTDOWN_GRACE
+from ._serve import serve_app as serve_app
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_SHUTDOWN_GRACE",
+    "OpenAIServer",
+    "TextFrontend",
+    "serve_app",
+]

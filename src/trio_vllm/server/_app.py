@@ -1,0 +1,506 @@
+"""The ASGI application: routing, auth, body limits, request lifetimes, health, metrics.
+
+One :class:`OpenAIServer` serves one text frontend. Every generation request runs in a
+task group of its own: the request's body task and a watcher that waits for the
+client's ``http.disconnect``; a disconnect cancels the group, and leaving the
+frontend's ``generate`` block aborts the request on the engine at once. Nothing here
+starts a task that outlives the request that started it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import time
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+import msgspec
+
+from .._exceptions import EngineDeadError, InvalidRequestError
+from .._version import __version__
+from ._http import (
+    ASGIReceive,
+    ASGISend,
+    ClientDisconnected,
+    HTTPError,
+    Scope,
+    encode,
+    header,
+    read_body,
+    send_bytes,
+    send_error,
+)
+from ._metrics import ServerMetrics
+from ._openai import (
+    DONE,
+    ChatResponder,
+    CompletionResponder,
+    GenerationError,
+    GenerationPlan,
+    plan_chat,
+    plan_completion,
+)
+from ._schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    ModelPermission,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Sequence
+
+    _Endpoint = Callable[[Scope, ASGIReceive, ASGISend], Awaitable[int]]
+
+    from ..text import RequestOutput
+    from ._frontend import TextFrontend
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "OpenAIServer"]
+
+logger = logging.getLogger("trio_vllm.server")
+
+DEFAULT_MAX_BODY_BYTES: Final = 32 * 1024 * 1024
+_GUARDED_PREFIX = ("/v1",)  # as vLLM: /health, /metrics, /version need no key
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+]
+_NOT_FOUND = b'{"detail":"Not Found"}'
+_NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
+_UNAUTHORIZED = b'{"error":"Unauthorized"}'
+_JSON_CT = b"application/json"
+_FIELDS = {
+    "completion": frozenset(CompletionRequest.__struct_fields__),
+    "chat": frozenset(ChatCompletionRequest.__struct_fields__),
+}
+_RAW_KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
+    "completion": msgspec.json.Decoder(CompletionRequest, strict=False),
+    "chat": msgspec.json.Decoder(ChatCompletionRequest, strict=False),
+}
+
+
+class _Open:
+    """One generation request in flight (the server's registry entry)."""
+
+    __slots__ = ("endpoint", "request_id", "started")
+
+    def __init__(self, endpoint: str, request_id: str, started: float) -> None:
+        self.endpoint = endpoint
+        self.request_id = request_id
+        self.started = started
+
+
+class OpenAIServer:
+    """An ASGI app with vLLM's OpenAI-compatible API over a text frontend.
+
+    Args:
+        llm: the text frontend (``trio_vllm.llm.LLM`` or anything shaped like it).
+        served_model_names: names clients may send as ``model`` (the first is the one
+            responses carry); default: ``llm.model_name``.
+        api_keys: if any, ``/v1/*`` needs ``Authorization: Bearer <one of them>``.
+        max_body_bytes: larger request bodies get HTTP 413.
+        model_root: the ``root`` of the ``/v1/models`` card (vLLM: the model path).
+        system_fingerprint: stamped on responses where vLLM stamps its own.
+
+    The app is safe to call concurrently from any number of connections; on trio and
+    on asyncio. :meth:`mark_dead` (the runner calls it when the engines die) turns
+    ``/health`` to 503 and every new generation request into a 503 error.
+    """
+
+    def __init__(
+        self,
+        llm: TextFrontend,
+        *,
+        served_model_names: Sequence[str] | None = None,
+        api_keys: Sequence[str] = (),
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        model_root: str | None = None,
+        system_fingerprint: str | None = f"trio-vllm-{__version__}",
+    ) -> None:
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
+        self.llm = llm
+        names = list(served_model_names or [llm.model_name])
+        if not names:
+            raise ValueError("served_model_names must not be empty")
+        self.model_names = names
+        self._name_set = frozenset(names)
+        self._key_hashes = [hashlib.sha256(k.encode()).digest() for k in api_keys]
+        self.max_body_bytes = max_body_bytes
+        self.model_root = model_root
+        self.fingerprint = system_fingerprint
+        self.metrics = ServerMetrics(names[0])
+        self.port: int | None = None  # set by the runner once the socket listens
+        self._dead = False
+        self._open: dict[int, _Open] = {}
+        self._next = 0
+        self._created = int(time.time())
+        self._routes: dict[str, tuple[str, _Endpoint]] = {
+            "/v1/completions": ("POST", self._completions),
+            "/v1/chat/completions": ("POST", self._chat),
+            "/v1/models": ("GET", self._models),
+            "/health": ("GET", self._health),
+            "/ping": ("GET", self._health),
+            "/version": ("GET", self._version),
+            "/metrics": ("GET", self._metrics),
+        }
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def dead(self) -> bool:
+        """The engines died (or the frontend says so): ``/health`` answers 503."""
+        return self._dead or self.llm.dead
+
+    def mark_dead(self) -> None:
+        self._dead = True
+
+    @property
+    def open_requests(self) -> list[str]:
+        """Request ids of the generation requests in flight (the server's registry)."""
+        return [o.request_id for o in self._open.values()]
+
+    # ------------------------------------------------------------------ ASGI
+
+    async def __call__(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        # websocket and anything else: not served (the connection is closed)
+
+    async def _lifespan(self, receive: ASGIReceive, send: ASGISend) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> None:
+        path: str = scope["path"]
+        route = self._routes.get(path)
+        if route is None:
+            await send_bytes(send, 404, _NOT_FOUND)
+            self.metrics.http_response("other", 404)
+            return
+        method, handler = route
+        if scope["method"] != method:
+            await send_bytes(send, 405, _NOT_ALLOWED)
+            self.metrics.http_response(path, 405)
+            return
+        if self._key_hashes and path.startswith(_GUARDED_PREFIX) and not self._authorized(scope):
+            await send_bytes(send, 401, _UNAUTHORIZED)
+            self.metrics.http_response(path, 401)
+            return
+        status = await handler(scope, receive, send)
+        if status:
+            self.metrics.http_response(path, status)
+
+    def _authorized(self, scope: Scope) -> bool:
+        value = header(scope, b"authorization")
+        if value is None:
+            return False
+        scheme, _, token = value.decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+        ok = False
+        for key in self._key_hashes:  # no early exit: constant time over the keys
+            ok |= secrets.compare_digest(digest, key)
+        return ok
+
+    # ------------------------------------------------------------------ small endpoints
+
+    async def _health(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        status = 503 if self.dead else 200
+        await send_bytes(send, status, b"", [])
+        return status
+
+    async def _version(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        await send_bytes(send, 200, encode({"version": __version__}))
+        return 200
+
+    async def _models(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        cards = [
+            ModelCard(
+                id=name,
+                object="model",
+                created=self._created,
+                owned_by="vllm",
+                root=self.model_root or self.model_names[0],
+                parent=None,
+                max_model_len=self.llm.max_model_len,
+                permission=[
+                    ModelPermission(f"modelperm-{secrets.token_hex(16)}", "model_permission",
+                                    self._created)
+                ],
+            )
+            for name in self.model_names
+        ]
+        await send_bytes(send, 200, encode(ModelList("list", cards)))
+        return 200
+
+    async def _metrics(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        body, content_type = self.metrics.render()
+        await send_bytes(send, 200, body, [(b"content-type", content_type.encode())])
+        return 200
+
+    # ------------------------------------------------------------------ generation
+
+    async def _completions(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        return await self._generation("completion", scope, receive, send)
+
+    async def _chat(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        return await self._generation("chat", scope, receive, send)
+
+    def _decode(self, kind: str, scope: Scope, body: bytes) -> tuple[Any, dict[str, object]]:
+        content_type = header(scope, b"content-type") or b""
+        if content_type.split(b";", 1)[0].strip().lower() != _JSON_CT:
+            raise HTTPError(
+                "1 validation error:\n  Unsupported Media Type: Only 'application/json' is "
+                "allowed",
+                err_type="Bad Request",
+            )
+        try:
+            raw = _RAW_KEYS.decode(body)
+        except msgspec.ValidationError:
+            raise HTTPError(
+                "1 validation error:\n  Input should be a valid dictionary or object",
+                err_type="Bad Request",
+            ) from None
+        except msgspec.DecodeError as exc:
+            raise HTTPError(f"1 validation error:\n  JSON decode error: {exc}",
+                            err_type="Bad Request") from None
+        try:
+            req = _DECODERS[kind].decode(body)
+        except msgspec.ValidationError as exc:
+            message = str(exc)
+            param = None
+            if "`$." in message:
+                param = message.rsplit("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0]
+            raise HTTPError(f"1 validation error:\n  {message}", err_type="Bad Request",
+                            param=param) from None
+        unknown = raw.keys() - _FIELDS[kind]
+        extra: dict[str, object] = {}
+        if unknown:
+            logger.warning(
+                "The following fields were present in the request but ignored: %s",
+                sorted(unknown),
+            )
+            extra = {k: msgspec.json.decode(raw[k]) for k in unknown}
+        return req, extra
+
+    async def _generation(
+        self, kind: str, scope: Scope, receive: ASGIReceive, send: ASGISend
+    ) -> int:
+        received = time.perf_counter()
+        try:
+            body = await read_body(scope, receive, self.max_body_bytes)
+        except ClientDisconnected:
+            return 0
+        except HTTPError as exc:
+            await send_error(send, exc)
+            return exc.status
+        try:
+            req, extra = self._decode(kind, scope, body)
+            model = self._check_model(req.model)
+            if self.dead:
+                raise _dead_error()
+            header_id = header(scope, b"x-request-id")
+            rid = header_id.decode("latin-1") if header_id is not None else None
+            plan = (
+                plan_completion(req, self.llm, model=model, header_request_id=rid, extra=extra)
+                if kind == "completion"
+                else plan_chat(req, self.llm, model=model, header_request_id=rid, extra=extra)
+            )
+        except HTTPError as exc:
+            await send_error(send, exc)
+            return exc.status
+        key = self._next
+        self._next += 1
+        self._open[key] = _Open(kind, plan.request_id, received)
+        self.metrics.request_started()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_watch_disconnect, receive, tg.cancel_scope)
+                try:
+                    return await self._run(kind, plan, send, received)
+                finally:
+                    tg.cancel_scope.cancel()
+            return 0  # cancelled by a disconnect: nobody to answer
+        finally:
+            del self._open[key]
+            self.metrics.request_ended()
+
+    def _check_model(self, model: str | None) -> str:
+        if not model or model in self._name_set:
+            return self.model_names[0]
+        raise HTTPError(
+            f"The model `{model}` does not exist. Valid aliases: {', '.join(self.model_names)}.",
+            404,
+            err_type="NotFoundError",
+            param="model",
+        )
+
+    async def _run(self, kind: str, plan: GenerationPlan, send: ASGISend, received: float) -> int:
+        tokenizer = self.llm.tokenizer
+        responder: CompletionResponder | ChatResponder = (
+            CompletionResponder(plan, tokenizer, self.fingerprint)
+            if kind == "completion"
+            else ChatResponder(plan, tokenizer, self.fingerprint)
+        )
+        started = False
+        timing = _Timing(received, self.metrics)
+        try:
+            async with AsyncExitStack() as stack:
+                streams = []
+                for prompt, params, engine_id in zip(
+                    plan.prompts, plan.params, plan.engine_ids, strict=True
+                ):
+                    streams.append(
+                        await stack.enter_async_context(
+                            self.llm.generate(prompt, params, request_id=engine_id)
+                        )
+                    )
+                if plan.stream:
+                    await send(
+                        {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS}
+                    )
+                    started = True
+
+                async def deliver(prompt_idx: int, out: RequestOutput) -> None:
+                    timing.output(out)
+                    events = responder.on_output(prompt_idx, out)
+                    if events:
+                        await send(
+                            {"type": "http.response.body", "body": events, "more_body": True}
+                        )
+
+                if len(streams) == 1:
+                    async for out in streams[0]:
+                        await deliver(0, out)
+                else:
+                    lock = anyio.Lock()
+
+                    async def pump(prompt_idx: int) -> None:
+                        async for out in streams[prompt_idx]:
+                            async with lock:
+                                await deliver(prompt_idx, out)
+
+                    try:
+                        async with anyio.create_task_group() as pumps:
+                            for idx in range(len(streams)):
+                                pumps.start_soon(pump, idx)
+                    except BaseExceptionGroup as group:
+                        raise _first_error(group) from None
+        except (HTTPError, InvalidRequestError, EngineDeadError, GenerationError) as exc:
+            error = _as_http_error(exc)
+            if isinstance(exc, EngineDeadError):
+                self.mark_dead()
+            if not started:
+                await send_error(send, error)
+                return error.status
+            body = b"data: " + error.body() + b"\n\n" + DONE
+            await send({"type": "http.response.body", "body": body})
+            return 200
+        except Exception:
+            logger.exception("error in %s request %s", kind, plan.request_id)
+            error = HTTPError("Internal server error", 500, err_type="InternalServerError")
+            if not started:
+                await send_error(send, error)
+                return 500
+            body = b"data: " + error.body() + b"\n\n" + DONE
+            await send({"type": "http.response.body", "body": body})
+            return 200
+        timing.finished(responder)
+        tail = responder.finish()
+        if started:
+            await send({"type": "http.response.body", "body": tail})
+        else:
+            await send_bytes(send, 200, tail)
+        return 200
+
+
+class _Timing:
+    """TTFT, ITL and end-to-end latency of one request, into the app's metrics."""
+
+    __slots__ = ("first", "last", "metrics", "reason", "received")
+
+    def __init__(self, received: float, metrics: ServerMetrics) -> None:
+        self.received = received
+        self.metrics = metrics
+        self.first = True
+        self.last = received
+        self.reason = "abort"
+
+    def output(self, out: RequestOutput) -> None:
+        now = time.perf_counter()
+        if any(o.token_ids for o in out.outputs):
+            if self.first:
+                self.first = False
+                self.metrics.first_token(now - self.received)
+            else:
+                self.metrics.inter_token(now - self.last)
+            self.last = now
+        for o in out.outputs:
+            if o.finish_reason is not None:
+                self.reason = o.finish_reason
+
+    def finished(self, responder: CompletionResponder | ChatResponder) -> None:
+        self.metrics.finished(
+            self.reason,
+            sum(responder.prompt_tokens),
+            responder.completion_tokens,
+            time.perf_counter() - self.received,
+        )
+
+
+async def _watch_disconnect(receive: ASGIReceive, scope: anyio.CancelScope) -> None:
+    """Cancel the request's task group as soon as the client disconnects."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The error a pump task raised (the others were cancelled because of it)."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    for exc in leaves:
+        if isinstance(exc, Exception):
+            return exc
+    return group
+
+
+def _dead_error() -> HTTPError:
+    return HTTPError(
+        "The engine is dead; this server no longer serves requests.",
+        503,
+        err_type="ServiceUnavailableError",
+    )
+
+
+def _as_http_error(exc: BaseException) -> HTTPError:
+    if isinstance(exc, HTTPError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return _dead_error()
+    if isinstance(exc, GenerationError):
+        return HTTPError(str(exc), 500, err_type="InternalServerError")
+    return HTTPError(str(exc))

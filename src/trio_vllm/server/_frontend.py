@@ -1,0 +1,72 @@
+"""What the server needs from the text frontend: the part of ``trio_vllm.llm.LLM`` it uses.
+
+A structural protocol, so the server type-checks against the real ``LLM`` and tests can
+hand it a small stand-in.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterable, Mapping, Sequence
+    from contextlib import AbstractAsyncContextManager
+
+    from .._exceptions import EngineDeadError
+    from ..protocol import SamplingParams
+    from ..text import ChatMessage, Prompt, RequestOutput
+
+__all__ = ["EngineClientLike", "TextFrontend", "TokenizerLike"]
+
+
+class TokenizerLike(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+class EngineClientLike(Protocol):
+    @property
+    def live_requests(self) -> list[str]: ...
+
+    async def wait_dead(self) -> EngineDeadError: ...
+
+
+class TextFrontend(Protocol):
+    """The frontend: ``generate`` yields DELTA :class:`RequestOutput` objects; leaving
+    its block aborts the request; engine death raises :class:`EngineDeadError`."""
+
+    @property
+    def tokenizer(self) -> TokenizerLike: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def client(self) -> EngineClientLike: ...
+
+    @property
+    def dead(self) -> bool: ...
+
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> AbstractAsyncContextManager[AsyncIterable[RequestOutput]]: ...
+
+    def render_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
+    ) -> tuple[str, list[int]]: ...

@@ -1,0 +1,132 @@
+"""ASGI plumbing: read a bounded body, send JSON, send server-sent events, HTTP errors.
+
+No framework: an endpoint is a coroutine that gets the ASGI ``scope``/``receive``/``send``
+triple. Everything here runs on any backend anyio supports (trio and asyncio).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from http import HTTPStatus
+from typing import Any
+
+import msgspec
+
+from ._schemas import ErrorInfo, ErrorResponse
+
+__all__ = [
+    "ASGIReceive",
+    "ASGISend",
+    "ClientDisconnected",
+    "HTTPError",
+    "read_body",
+    "send_bytes",
+    "send_error",
+]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+ASGIReceive = Callable[[], Awaitable[Message]]
+ASGISend = Callable[[Message], Awaitable[None]]
+
+_JSON = [(b"content-type", b"application/json")]
+_ENCODER = msgspec.json.Encoder()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its request body was complete."""
+
+
+class HTTPError(Exception):
+    """An error answered as vLLM answers it: ``{"error": {message, type, param, code}}``.
+
+    ``err_type`` defaults as vLLM's ``create_error_response`` does: ``BadRequestError``
+    for 400, the HTTP phrase otherwise.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        *,
+        err_type: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.err_type = err_type or (
+            "BadRequestError" if status == 400 else HTTPStatus(status).phrase
+        )
+        self.param = param
+
+    def response(self) -> ErrorResponse:
+        return ErrorResponse(ErrorInfo(self.message, self.err_type, self.param, self.status))
+
+    def body(self) -> bytes:
+        return _ENCODER.encode(self.response())
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    """The first value of header ``name`` (lower case), or ``None``."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+async def read_body(scope: Scope, receive: ASGIReceive, limit: int) -> bytes:
+    """The whole request body; :class:`HTTPError` 413 once it passes ``limit`` bytes.
+
+    A ``Content-Length`` over the limit is refused before reading anything.
+    Raises :class:`ClientDisconnected` if the client leaves first.
+    """
+    length = header(scope, b"content-length")
+    if length is not None:
+        try:
+            declared = int(length)
+        except ValueError:
+            raise HTTPError("Invalid Content-Length header") from None
+        if declared > limit:
+            raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _too_large(limit: int) -> HTTPError:
+    return HTTPError(
+        f"Request body is larger than the server's limit of {limit} bytes "
+        "(trio-vllm serve --max-request-body-bytes)",
+        413,
+    )
+
+
+async def send_bytes(
+    send: ASGISend,
+    status: int,
+    body: bytes,
+    headers: Iterable[tuple[bytes, bytes]] = _JSON,
+) -> None:
+    """A complete response in two ASGI messages."""
+    await send({"type": "http.response.start", "status": status, "headers": list(headers)})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(send: ASGISend, error: HTTPError) -> None:
+    await send_bytes(send, error.status, error.body())
+
+
+def encode(value: object) -> bytes:
+    return _ENCODER.encode(value)

@@ -1,0 +1,114 @@
+"""Prometheus metrics of one server app, in a registry of its own.
+
+Names follow vLLM's (``vllm:...`` with a ``model_name`` label) so dashboards built for
+``vllm serve`` keep working; ``trio_vllm:http_requests_total`` counts responses by
+endpoint and status. ``prometheus_client`` is imported when an app is built, never by
+``import trio_vllm``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+__all__ = ["ServerMetrics"]
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+class ServerMetrics:
+    """The app's collectors; every method is synchronous and cheap (no I/O)."""
+
+    def __init__(self, model_name: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry: CollectorRegistry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        labels = {"model_name": model_name}
+        self._http = Counter(
+            "trio_vllm:http_requests",
+            "HTTP responses by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self._running = Gauge(
+            "vllm:num_requests_running",
+            "Generation requests in flight in this server.",
+            ["model_name"],
+            registry=r,
+        ).labels(**labels)
+        self._prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens processed.", ["model_name"], registry=r
+        ).labels(**labels)
+        self._generation_tokens = Counter(
+            "vllm:generation_tokens", "Generated tokens.", ["model_name"], registry=r
+        ).labels(**labels)
+        self._success = Counter(
+            "vllm:request_success",
+            "Finished generation requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self._ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time from receiving the request to its first generated token.",
+            ["model_name"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        ).labels(**labels)
+        self._itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between consecutive outputs of a request.",
+            ["model_name"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        ).labels(**labels)
+        self._e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Time from receiving the request to its last output.",
+            ["model_name"],
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        ).labels(**labels)
+        self._model = model_name
+
+    def http_response(self, endpoint: str, status: int) -> None:
+        self._http.labels(endpoint, str(status)).inc()
+
+    def request_started(self) -> None:
+        self._running.inc()
+
+    def request_ended(self) -> None:
+        self._running.dec()
+
+    def first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def finished(self, reason: str, prompt_tokens: int, generated: int, seconds: float) -> None:
+        self._success.labels(self._model, reason).inc()
+        self._prompt_tokens.inc(prompt_tokens)
+        self._generation_tokens.inc(generated)
+        self._e2e.observe(seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

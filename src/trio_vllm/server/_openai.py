@@ -1,0 +1,848 @@
+"""The OpenAI endpoints' rules, without I/O: request -> plan, outputs -> response bytes.
+
+:func:`plan_completion` and :func:`plan_chat` check a decoded request the way vLLM's
+``OpenAIServingCompletion``/``OpenAIServingChat`` do (same status codes, same messages
+where vLLM words them) and turn it into token prompts and ``SamplingParams``.
+:class:`CompletionResponder` and :class:`ChatResponder` turn the frontend's DELTA
+:class:`RequestOutput` objects into SSE events, or into the final JSON body, with vLLM's
+field names and chunking: one event per completion per output, a role chunk first for
+chat, a usage chunk last when ``stream_options.include_usage``, then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from ..protocol import RequestOutputKind, SamplingParams
+from ._http import HTTPError, encode
+from ._schemas import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_COMPLETION_PROMPTS,
+    MAX_STOP_STRINGS,
+    UNSUPPORTED_FIELDS,
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    StreamUsage,
+    UsageInfo,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from ..text import CompletionOutput, Logprob, RequestOutput, TokensPrompt
+    from ._frontend import TextFrontend, TokenizerLike
+
+__all__ = [
+    "ChatResponder",
+    "CompletionResponder",
+    "GenerationPlan",
+    "plan_chat",
+    "plan_completion",
+]
+
+DONE = b"data: [DONE]\n\n"
+_LOGPROB_FLOOR = -9999.0  # vLLM clamps -inf to this (JSON has no infinity)
+_DEFAULT_MAX_CHARS_PER_TOKEN = 64  # bound on prompt characters per allowed token
+
+
+class GenerationPlan:
+    """Everything a generation request needs once it passed validation."""
+
+    __slots__ = (
+        "continuous_usage",
+        "created",
+        "echo_only",
+        "echo_texts",
+        "engine_ids",
+        "include_usage",
+        "logprobs",
+        "model",
+        "n",
+        "params",
+        "prompts",
+        "request_id",
+        "return_token_ids",
+        "role",
+        "stream",
+    )
+
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        model: str,
+        prompts: list[TokensPrompt],
+        engine_ids: list[str],
+        params: list[SamplingParams],
+        n: int,
+        stream: bool,
+        include_usage: bool,
+        continuous_usage: bool,
+        logprobs: int | None,
+        return_token_ids: bool,
+        echo_texts: list[str] | None = None,
+        echo_only: bool = False,
+        role: str = "assistant",
+    ) -> None:
+        self.request_id = request_id
+        self.created = int(time.time())
+        self.model = model
+        self.prompts = prompts
+        self.engine_ids = engine_ids
+        self.params = params
+        self.n = n
+        self.stream = stream
+        self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
+        self.logprobs = logprobs
+        self.return_token_ids = return_token_ids
+        self.echo_texts = echo_texts
+        self.echo_only = echo_only  # echo with max_tokens=0: the prompt is the answer
+        self.role = role
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def base_request_id(header_id: str | None, body_id: str | None) -> str:
+    """vLLM's ``_base_request_id``: the ``X-Request-Id`` header, the body's
+    ``request_id``, or a fresh uuid4 hex."""
+    if header_id is not None:
+        return header_id
+    return uuid.uuid4().hex if body_id is None else body_id
+
+
+def _check_range(name: str, value: float | None, lo: float, hi: float) -> None:
+    if value is not None and not (lo <= value <= hi):
+        raise HTTPError(f"{name} must be in [{lo}, {hi}], got {value}.", param=name)
+
+
+def _common_checks(
+    req: CompletionRequest | ChatCompletionRequest, n: int, extra: Mapping[str, object]
+) -> None:
+    for name, default in UNSUPPORTED_FIELDS.items():
+        if extra.get(name, default) != default:
+            raise HTTPError(f"`{name}` is not supported by trio-vllm serve.", param=name)
+    if req.use_beam_search:
+        raise HTTPError("Beam search is not supported by trio-vllm serve.", param="use_beam_search")
+    if req.stream_options is not None and not req.stream:
+        raise HTTPError(
+            "Stream options can only be defined when `stream=True`.", param="stream_options"
+        )
+    if req.seed is not None and not (INT64_MIN <= req.seed <= INT64_MAX):
+        raise HTTPError("seed must be a 64-bit integer.", param="seed")
+    if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_STRINGS:
+        raise HTTPError(f"stop may hold at most {MAX_STOP_STRINGS} strings.", param="stop")
+    if not 1 <= n <= 1024:
+        raise HTTPError(f"n must be in [1, 1024], got {n}.", param="n")
+    for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty"):
+        value = getattr(req, name)
+        if value is not None and not math.isfinite(value):
+            raise HTTPError(f"{name} must be a finite number, got {value}.", param=name)
+    _check_range("temperature", req.temperature, 0.0, 2.0)
+    _check_range("top_p", req.top_p, 1e-9, 1.0)
+    _check_range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    _check_range("presence_penalty", req.presence_penalty, -2.0, 2.0)
+    if req.top_k is not None and req.top_k < -1:
+        raise HTTPError(
+            f"top_k must be -1 (disable) or at least 1, got {req.top_k}.", param="top_k"
+        )
+    if req.min_tokens < 0:
+        raise HTTPError(f"min_tokens must be >= 0, got {req.min_tokens}.", param="min_tokens")
+    for tid in req.stop_token_ids or ():
+        if tid < 0:
+            raise HTTPError("stop_token_ids must be non-negative.", param="stop_token_ids")
+
+
+def _max_tokens(
+    max_model_len: int, requested: int | None, prompt_len: int, param: str
+) -> int:
+    """vLLM's ``TokenizeParams`` check plus ``get_max_tokens``: the request's limit
+    capped by the room the prompt leaves in the context."""
+    if requested is not None:
+        if requested > max_model_len:
+            raise HTTPError(
+                f"{param}={requested} cannot be greater than max_model_len={max_model_len}. "
+                "Please request fewer output tokens.",
+                param=param,
+            )
+        if requested < 1 and not (param == "max_tokens" and requested == 0):
+            raise HTTPError(f"{param} must be at least 1, got {requested}.", param=param)
+    room = max_model_len - prompt_len
+    return room if requested is None else min(room, requested)
+
+
+def _check_prompt_len(max_model_len: int, count: int) -> None:
+    if count > max_model_len:
+        raise HTTPError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {count} input tokens, which exceeds this limit even without "
+            "any output tokens. Please reduce the length of the input prompt.",
+            param="input_tokens",
+        )
+
+
+def _check_prompt_chars(max_model_len: int, text: str) -> None:
+    # vLLM bounds text before tokenizing (max_chars_per_token); so does the server, so a
+    # huge prompt costs no tokenizer time.
+    limit = max_model_len * _DEFAULT_MAX_CHARS_PER_TOKEN
+    if len(text) > limit:
+        raise HTTPError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {len(text)} characters (more than {limit} characters, which "
+            f"is the upper bound for {max_model_len} input tokens). Please reduce the "
+            "length of the input prompt.",
+            param="input_text",
+        )
+
+
+def _sampling_params(
+    req: CompletionRequest | ChatCompletionRequest,
+    *,
+    n: int,
+    max_tokens: int,
+    logprobs: int | None,
+) -> SamplingParams:
+    # vLLM's to_sampling_params: the request's value, else the OpenAI default.
+    logit_bias: dict[int, float] | None = None
+    if req.logit_bias:
+        try:
+            logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise HTTPError("logit_bias keys must be token ids.", param="logit_bias") from None
+    stop: list[str] = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+    return SamplingParams(
+        n=n,
+        presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+        frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        output_kind=RequestOutputKind.DELTA,
+        logit_bias=logit_bias,
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words or None,
+    )
+
+
+def _usage_flags(req: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+    opts = req.stream_options
+    if not req.stream or opts is None:
+        return False, False
+    include = bool(opts.include_usage)
+    return include, include and bool(opts.continuous_usage_stats)
+
+
+def plan_completion(
+    req: CompletionRequest,
+    llm: TextFrontend,
+    *,
+    model: str,
+    header_request_id: str | None,
+    extra: Mapping[str, object],
+) -> GenerationPlan:
+    """Check a completion request and tokenize its prompt(s); :class:`HTTPError` if bad."""
+    _common_checks(req, req.n, extra)
+    if req.logprobs is not None and req.logprobs < 0 and req.logprobs != -1:
+        raise HTTPError("`logprobs` must be a positive value or -1.", param="logprobs")
+    prompt = req.prompt
+    if prompt is None or prompt == "" or prompt == []:
+        raise HTTPError(
+            "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
+        )
+    items: list[str | list[int]]
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif all(isinstance(p, int) for p in prompt):
+        items = [[p for p in prompt if isinstance(p, int)]]
+    elif all(isinstance(p, str) for p in prompt):
+        items = [p for p in prompt if isinstance(p, str)]
+    elif all(isinstance(p, list) for p in prompt):
+        items = [p for p in prompt if isinstance(p, list)]
+    else:
+        raise HTTPError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "token-id lists.",
+            param="prompt",
+        )
+    if len(items) > MAX_COMPLETION_PROMPTS:
+        raise HTTPError(
+            f"prompt list length {len(items)} exceeds the maximum allowed count of "
+            f"{MAX_COMPLETION_PROMPTS}.",
+            param="prompt",
+        )
+    if req.echo and req.logprobs is not None:
+        raise HTTPError(
+            "`echo` with `logprobs` needs prompt logprobs, which trio-vllm serve does not "
+            "support.",
+            param="echo",
+        )
+    max_model_len = llm.max_model_len
+    tokenizer = llm.tokenizer
+    prompts: list[TokensPrompt] = []
+    params: list[SamplingParams] = []
+    echo_texts: list[str] = []
+    echo_only = bool(req.echo) and req.max_tokens == 0
+    for item in items:
+        if isinstance(item, str):
+            _check_prompt_chars(max_model_len, item)
+            ids = tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+            text = item
+        else:
+            if not item:
+                raise HTTPError("prompt token-id lists must not be empty.", param="prompt")
+            if min(item) < 0:
+                raise HTTPError("prompt token ids must be non-negative.", param="prompt")
+            ids = item
+            text = tokenizer.decode(item, skip_special_tokens=False) if req.echo else ""
+        _check_prompt_len(max_model_len, len(ids))
+        max_tokens = _max_tokens(max_model_len, req.max_tokens, len(ids), "max_tokens")
+        if max_tokens == 0 and not echo_only:
+            _check_prompt_len(max_model_len - 1, len(ids))
+        prompts.append({"prompt_token_ids": ids, "prompt": text})
+        params.append(
+            _sampling_params(
+                req, n=req.n, max_tokens=1 if echo_only else max_tokens, logprobs=req.logprobs
+            )
+        )
+        echo_texts.append(text)
+    request_id = f"cmpl-{base_request_id(header_request_id, req.request_id)}"
+    include_usage, continuous = _usage_flags(req)
+    return GenerationPlan(
+        request_id=request_id,
+        model=model,
+        prompts=prompts,
+        engine_ids=[f"{request_id}-{i}" for i in range(len(prompts))],
+        params=params,
+        n=req.n,
+        stream=bool(req.stream),
+        include_usage=include_usage,
+        continuous_usage=continuous,
+        logprobs=req.logprobs,
+        return_token_ids=bool(req.return_token_ids),
+        echo_texts=echo_texts if req.echo else None,
+        echo_only=echo_only,
+    )
+
+
+def plan_chat(
+    req: ChatCompletionRequest,
+    llm: TextFrontend,
+    *,
+    model: str,
+    header_request_id: str | None,
+    extra: Mapping[str, object],
+) -> GenerationPlan:
+    """Check a chat request and render its messages; :class:`HTTPError` if bad."""
+    n = 1 if req.n is None else req.n
+    _common_checks(req, n, extra)
+    top = 0 if req.top_logprobs is None else req.top_logprobs
+    if top < 0 and top != -1:
+        raise HTTPError("`top_logprobs` must be a positive value or -1.", param="top_logprobs")
+    if (top == -1 or top > 0) and not req.logprobs:
+        raise HTTPError(
+            "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs"
+        )
+    if req.tools == []:
+        raise HTTPError("`tools` must not be an empty array.", param="tools")
+    if req.tools or (req.tool_choice not in (None, "none")):
+        raise HTTPError("Tool calling is not supported by trio-vllm serve.", param="tools")
+    if req.continue_final_message:
+        raise HTTPError(
+            "`continue_final_message` is not supported by trio-vllm serve.",
+            param="continue_final_message",
+        )
+    if not req.messages:
+        raise HTTPError("messages must not be empty.", param="messages")
+    for message in req.messages:
+        if not isinstance(message.get("role"), str):
+            raise HTTPError("every message needs a string `role`.", param="messages")
+    max_model_len = llm.max_model_len
+    for message in req.messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            _check_prompt_chars(max_model_len, content)
+    try:
+        text, ids = llm.render_chat(
+            req.messages,
+            add_generation_prompt=req.add_generation_prompt,
+            chat_template=req.chat_template,
+            chat_template_kwargs=req.chat_template_kwargs,
+        )
+    except ValueError as exc:  # InvalidRequestError included
+        raise HTTPError(str(exc)) from None
+    except Exception as exc:
+        if any(cls.__name__ == "TemplateError" for cls in type(exc).__mro__):
+            raise HTTPError(f"chat template error: {exc}") from None
+        raise
+    if req.add_special_tokens:
+        ids = llm.tokenizer.encode(text, add_special_tokens=True)
+    _check_prompt_len(max_model_len, len(ids))
+    requested: int | None = req.max_tokens
+    param = "max_tokens"
+    if req.max_completion_tokens is not None:
+        requested, param = req.max_completion_tokens, "max_completion_tokens"
+    max_tokens = _max_tokens(max_model_len, requested, len(ids), param)
+    if max_tokens == 0:
+        _check_prompt_len(max_model_len - 1, len(ids))
+    logprobs = top if req.logprobs else None
+    params = _sampling_params(req, n=n, max_tokens=max_tokens, logprobs=logprobs)
+    request_id = f"chatcmpl-{base_request_id(header_request_id, req.request_id)}"
+    include_usage, continuous = _usage_flags(req)
+    role = "assistant" if req.add_generation_prompt else str(req.messages[-1]["role"])
+    echo: list[str] | None = None
+    if req.echo:
+        last = req.messages[-1]
+        content = last.get("content")
+        if last.get("role") == role and content:
+            if isinstance(content, list):
+                content = "\n".join(
+                    str(part.get("text", "")) for part in content if isinstance(part, dict)
+                )
+            echo = [str(content)]
+        else:
+            echo = [""]
+    return GenerationPlan(
+        request_id=request_id,
+        model=model,
+        prompts=[{"prompt_token_ids": ids, "prompt": text}],
+        engine_ids=[request_id],
+        params=[params],
+        n=n,
+        stream=bool(req.stream),
+        include_usage=include_usage,
+        continuous_usage=continuous,
+        logprobs=logprobs,
+        return_token_ids=bool(req.return_token_ids),
+        echo_texts=echo,
+        role=role,
+    )
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def _decoded(tokenizer: TokenizerLike, token_id: int, logprob: Logprob | None) -> str:
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(
+    tokenizer: TokenizerLike,
+    token_ids: Sequence[int],
+    steps: Sequence[Mapping[int, Logprob] | None],
+    num_top: int,
+    initial_offset: int,
+) -> CompletionLogProbs:
+    """vLLM's ``_create_completion_logprobs`` (``num_top + 1`` entries per position)."""
+    offsets: list[int] = []
+    token_lps: list[float | None] = []
+    tokens: list[str] = []
+    tops: list[dict[str, float] | None] = []
+    last_len = 0
+    for i, tid in enumerate(token_ids):
+        step = steps[i] if i < len(steps) else None
+        if step is None:
+            token = _decoded(tokenizer, tid, None)
+            tokens.append(token)
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            chosen = step.get(tid)
+            token = _decoded(tokenizer, tid, chosen)
+            tokens.append(token)
+            token_lps.append(
+                _LOGPROB_FLOOR if chosen is None else max(chosen.logprob, _LOGPROB_FLOOR)
+            )
+            tops.append(
+                {
+                    _decoded(tokenizer, t, lp): max(lp.logprob, _LOGPROB_FLOOR)
+                    for j, (t, lp) in enumerate(step.items())
+                    if num_top == -1 or num_top >= j
+                }
+            )
+        offsets.append(initial_offset if not offsets else offsets[-1] + last_len)
+        last_len = len(token)
+    return CompletionLogProbs(offsets, token_lps, tokens, tops)
+
+
+def chat_logprobs(
+    tokenizer: TokenizerLike,
+    token_ids: Sequence[int],
+    steps: Sequence[Mapping[int, Logprob] | None],
+    num_top: int,
+) -> ChatCompletionLogProbs:
+    """vLLM's ``_create_chat_logprobs``."""
+    content: list[ChatCompletionLogProbsContent] = []
+    for i, tid in enumerate(token_ids):
+        step = steps[i] if i < len(steps) else None
+        chosen = None if step is None else step.get(tid)
+        if step is None or chosen is None:
+            token = _decoded(tokenizer, tid, None)
+            content.append(
+                ChatCompletionLogProbsContent(
+                    token=token, bytes=list(token.encode("utf-8", errors="replace"))
+                )
+            )
+            continue
+        tops: list[ChatCompletionLogProb] = []
+        for j, (t, lp) in enumerate(step.items()):
+            if num_top != -1 and j >= num_top:
+                break
+            name = _decoded(tokenizer, t, lp)
+            tops.append(
+                ChatCompletionLogProb(
+                    name,
+                    max(lp.logprob, _LOGPROB_FLOOR),
+                    list(name.encode("utf-8", errors="replace")),
+                )
+            )
+        decoded = chosen.decoded_token
+        content.append(
+            ChatCompletionLogProbsContent(
+                token=_decoded(tokenizer, tid, chosen),
+                logprob=max(chosen.logprob, _LOGPROB_FLOOR),
+                bytes=None if decoded is None else list(decoded.encode("utf-8", errors="replace")),
+                top_logprobs=tops,
+            )
+        )
+    return ChatCompletionLogProbs(content)
+
+
+class GenerationError(Exception):
+    """A completion finished with ``finish_reason="error"`` (vLLM: HTTP 500)."""
+
+
+class _Choice:
+    __slots__ = ("finish_reason", "logprob_steps", "num_tokens", "stop_reason", "text", "token_ids")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprob_steps: list[Mapping[int, Logprob] | None] = []
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def add(self, out: CompletionOutput, keep: bool) -> None:
+        self.num_tokens += len(out.token_ids)
+        if keep:
+            self.text.append(out.text)
+            self.token_ids.extend(out.token_ids)
+            if out.logprobs:
+                self.logprob_steps.extend(out.logprobs)
+        self.finish_reason = out.finish_reason
+        self.stop_reason = out.stop_reason
+
+
+class _Responder:
+    """Shared bookkeeping: choices, prompt lengths, token counts."""
+
+    def __init__(self, plan: GenerationPlan, tokenizer: TokenizerLike, fingerprint: str | None):
+        self.plan = plan
+        self.tokenizer = tokenizer
+        self.fingerprint = fingerprint
+        self.choices = [_Choice() for _ in range(plan.n * len(plan.prompts))]
+        self.prompt_tokens = [len(p["prompt_token_ids"]) for p in plan.prompts]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    def _usage(self) -> UsageInfo:
+        p, c = sum(self.prompt_tokens), self.completion_tokens
+        return UsageInfo(p, p + c, c)
+
+    def _stream_usage(self) -> StreamUsage:
+        p, c = sum(self.prompt_tokens), self.completion_tokens
+        return StreamUsage(p, p + c, c)
+
+
+class CompletionResponder(_Responder):
+    """``/v1/completions`` responses: feed :meth:`on_output`, then take :meth:`finish`."""
+
+    def __init__(self, plan: GenerationPlan, tokenizer: TokenizerLike, fingerprint: str | None):
+        super().__init__(plan, tokenizer, fingerprint)
+        self._offsets = [0] * len(self.choices)
+        self._echoed = [False] * len(self.choices)
+
+    def on_output(self, prompt_idx: int, res: RequestOutput) -> bytes:
+        """Record one DELTA output; the SSE events to send for it (streaming), else b""."""
+        plan = self.plan
+        events: list[bytes] = []
+        for out in res.outputs:
+            if out.finish_reason == "error":
+                raise GenerationError("Internal server error")
+            i = out.index + prompt_idx * plan.n
+            choice = self.choices[i]
+            if not plan.stream:
+                choice.add(out, True)
+                continue
+            text = out.text
+            token_ids: Sequence[int] = out.token_ids
+            steps: Sequence[Mapping[int, Logprob] | None] | None = out.logprobs
+            prompt_ids: list[int] | None = None
+            if plan.echo_texts is not None and not self._echoed[i]:
+                self._echoed[i] = True
+                ptext = plan.echo_texts[prompt_idx]
+                pids = plan.prompts[prompt_idx]["prompt_token_ids"]
+                if plan.echo_only:
+                    text, token_ids = ptext, pids
+                else:
+                    text, token_ids = ptext + out.text, [*pids, *out.token_ids]
+                steps = None
+                prompt_ids = pids if plan.return_token_ids else None
+            elif plan.return_token_ids and not self._echoed[i]:
+                self._echoed[i] = True
+                prompt_ids = plan.prompts[prompt_idx]["prompt_token_ids"]
+            elif not text and not token_ids and not choice.num_tokens:
+                continue
+            logprobs = None
+            if plan.logprobs is not None:
+                logprobs = completion_logprobs(
+                    self.tokenizer, token_ids, steps or (), plan.logprobs, self._offsets[i]
+                )
+                if logprobs.tokens:
+                    self._offsets[i] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+            choice.add(out, False)
+            chunk = CompletionStreamResponse(
+                plan.request_id,
+                "text_completion",
+                plan.created,
+                plan.model,
+                [
+                    CompletionStreamChoice(
+                        i,
+                        text,
+                        logprobs,
+                        out.finish_reason,
+                        out.stop_reason,
+                        prompt_ids,
+                        list(out.token_ids) if plan.return_token_ids else None,
+                    )
+                ],
+            )
+            if out.finish_reason is not None and not plan.include_usage:
+                chunk.system_fingerprint = self.fingerprint
+            if plan.continuous_usage:
+                p = self.prompt_tokens[prompt_idx]
+                chunk.usage = StreamUsage(p, p + choice.num_tokens, choice.num_tokens)
+            events.append(b"data: " + encode(chunk) + b"\n\n")
+        return b"".join(events)
+
+    def finish(self) -> bytes:
+        """The end of the stream (usage chunk if asked, ``[DONE]``), or the JSON body."""
+        plan = self.plan
+        if plan.stream:
+            tail = DONE
+            if plan.include_usage:
+                usage = CompletionStreamResponse(
+                    plan.request_id,
+                    "text_completion",
+                    plan.created,
+                    plan.model,
+                    [],
+                    self._stream_usage(),
+                    self.fingerprint,
+                )
+                tail = b"data: " + encode(usage) + b"\n\n" + DONE
+            return tail
+        choices: list[CompletionResponseChoice] = []
+        for i, c in enumerate(self.choices):
+            prompt_idx = i // plan.n
+            text = "".join(c.text)
+            token_ids = c.token_ids
+            pids = plan.prompts[prompt_idx]["prompt_token_ids"]
+            if plan.echo_texts is not None:
+                ptext = plan.echo_texts[prompt_idx]
+                if plan.echo_only:
+                    text, token_ids = ptext, pids
+                else:
+                    text, token_ids = ptext + text, [*pids, *token_ids]
+            logprobs = None
+            if plan.logprobs is not None:
+                logprobs = completion_logprobs(
+                    self.tokenizer, token_ids, c.logprob_steps, plan.logprobs, 0
+                )
+            choices.append(
+                CompletionResponseChoice(
+                    i,
+                    text,
+                    logprobs,
+                    c.finish_reason,
+                    c.stop_reason,
+                    list(c.token_ids) if plan.return_token_ids else None,
+                    None,
+                    pids if plan.return_token_ids else None,
+                )
+            )
+        body = CompletionResponse(
+            plan.request_id,
+            "text_completion",
+            plan.created,
+            plan.model,
+            choices,
+            None,
+            self.fingerprint,
+            self._usage(),
+        )
+        return encode(body)
+
+
+class ChatResponder(_Responder):
+    """``/v1/chat/completions`` responses: feed :meth:`on_output`, then :meth:`finish`."""
+
+    def __init__(self, plan: GenerationPlan, tokenizer: TokenizerLike, fingerprint: str | None):
+        super().__init__(plan, tokenizer, fingerprint)
+        self._first = True
+        self._finished = [False] * plan.n
+
+    def _chunk(self, choice: ChatCompletionStreamChoice) -> ChatCompletionStreamResponse:
+        plan = self.plan
+        return ChatCompletionStreamResponse(
+            plan.request_id, "chat.completion.chunk", plan.created, plan.model, [choice]
+        )
+
+    def on_output(self, prompt_idx: int, res: RequestOutput) -> bytes:
+        plan = self.plan
+        events: list[bytes] = []
+        if plan.stream and self._first:
+            self._first = False
+            for i in range(plan.n):
+                chunk = self._chunk(
+                    ChatCompletionStreamChoice(i, ChatDelta(plan.role, ""), None, None)
+                )
+                chunk.prompt_token_ids = (
+                    plan.prompts[0]["prompt_token_ids"] if plan.return_token_ids else None
+                )
+                chunk.prompt_text = None
+                if plan.continuous_usage:
+                    p = self.prompt_tokens[0]
+                    chunk.usage = StreamUsage(p, p, 0)
+                events.append(b"data: " + encode(chunk) + b"\n\n")
+            if plan.echo_texts and plan.echo_texts[0]:
+                for i in range(plan.n):
+                    chunk = self._chunk(
+                        ChatCompletionStreamChoice(
+                            i, ChatDelta(content=plan.echo_texts[0]), None, None
+                        )
+                    )
+                    if plan.continuous_usage:
+                        p = self.prompt_tokens[0]
+                        chunk.usage = StreamUsage(p, p, 0)
+                    events.append(b"data: " + encode(chunk) + b"\n\n")
+        for out in res.outputs:
+            i = out.index
+            if plan.stream and self._finished[i]:
+                continue
+            if out.finish_reason == "error":
+                raise GenerationError("Internal server error")
+            choice = self.choices[i]
+            if not plan.stream:
+                choice.add(out, True)
+                continue
+            logprobs = None
+            if plan.logprobs is not None:
+                logprobs = chat_logprobs(
+                    self.tokenizer, out.token_ids, out.logprobs or (), plan.logprobs
+                )
+            if not out.text and not out.token_ids and not choice.num_tokens:
+                continue
+            choice.add(out, False)
+            token_ids = list(out.token_ids) if plan.return_token_ids else None
+            delta = ChatDelta(content=out.text)
+            if out.finish_reason is None:
+                stream_choice = ChatCompletionStreamChoice(
+                    i, delta, logprobs, None, token_ids=token_ids
+                )
+            else:
+                self._finished[i] = True
+                stream_choice = ChatCompletionStreamChoice(
+                    i, delta, logprobs, out.finish_reason, out.stop_reason, token_ids
+                )
+            chunk = self._chunk(stream_choice)
+            if out.finish_reason is not None and not plan.include_usage:
+                chunk.system_fingerprint = self.fingerprint
+            if plan.continuous_usage:
+                p = self.prompt_tokens[0]
+                chunk.usage = StreamUsage(p, p + choice.num_tokens, choice.num_tokens)
+            events.append(b"data: " + encode(chunk) + b"\n\n")
+        return b"".join(events)
+
+    def finish(self) -> bytes:
+        plan = self.plan
+        if plan.stream:
+            if not plan.include_usage:
+                return DONE
+            usage = ChatCompletionStreamResponse(
+                plan.request_id,
+                "chat.completion.chunk",
+                plan.created,
+                plan.model,
+                [],
+                self._stream_usage(),
+                self.fingerprint,
+            )
+            return b"data: " + encode(usage) + b"\n\n" + DONE
+        choices: list[ChatCompletionResponseChoice] = []
+        echo = plan.echo_texts[0] if plan.echo_texts else ""
+        for i, c in enumerate(self.choices):
+            logprobs = None
+            if plan.logprobs is not None:
+                logprobs = chat_logprobs(
+                    self.tokenizer, c.token_ids, c.logprob_steps, plan.logprobs
+                )
+            choices.append(
+                ChatCompletionResponseChoice(
+                    i,
+                    ChatResponseMessage(plan.role, echo + "".join(c.text)),
+                    logprobs,
+                    c.finish_reason or "stop",
+                    c.stop_reason,
+                    list(c.token_ids) if plan.return_token_ids else None,
+                )
+            )
+        body = ChatCompletionResponse(
+            plan.request_id,
+            "chat.completion",
+            plan.created,
+            plan.model,
+            choices,
+            None,
+            self.fingerprint,
+            self._usage(),
+            None,
+            plan.prompts[0]["prompt_token_ids"] if plan.return_token_ids else None,
+        )
+        return encode(body)

@@ -1,0 +1,336 @@
+"""Request and response bodies of the OpenAI-compatible API, as msgspec structs.
+
+Field names, order and defaults follow vLLM 0.32.0's pydantic models
+(``vllm/entrypoints/openai/{completion,chat_completion}/protocol.py``,
+``vllm/entrypoints/serve/engine/protocol.py``), so a response serializes to the same
+JSON keys in the same order. vLLM streams chunks with ``exclude_unset=True``; here a
+field typed ``... | UnsetType = UNSET`` is left out of the JSON the same way.
+
+Request structs list the fields trio-vllm honours; every other key is ignored (and
+logged) by the decoder, as vLLM's ``extra="allow"`` models do. Fields that would change
+the result but are not implemented are listed in :data:`UNSUPPORTED_FIELDS` and answered
+with HTTP 400 when set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+__all__ = [
+    "ChatCompletionLogProb",
+    "ChatCompletionLogProbs",
+    "ChatCompletionLogProbsContent",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatCompletionResponseChoice",
+    "ChatCompletionStreamChoice",
+    "ChatCompletionStreamResponse",
+    "ChatDelta",
+    "ChatResponseMessage",
+    "CompletionLogProbs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "CompletionResponseChoice",
+    "CompletionStreamChoice",
+    "CompletionStreamResponse",
+    "ErrorInfo",
+    "ErrorResponse",
+    "ModelCard",
+    "ModelList",
+    "ModelPermission",
+    "StreamOptions",
+    "StreamUsage",
+    "UsageInfo",
+]
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+MAX_STOP_STRINGS = 128  # VLLM_MAX_STOP_STRINGS' default
+MAX_COMPLETION_PROMPTS = 1024  # VLLM_MAX_COMPLETION_PROMPTS' default
+
+# ----------------------------------------------------------------------------- requests
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingFields(Struct, kw_only=True):
+    """The sampling fields both endpoints share (vLLM's names and defaults)."""
+
+    model: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    user: str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    request_id: str | None = None
+    return_token_ids: bool | None = None
+    use_beam_search: bool = False
+    priority: int = 0
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    """``POST /v1/completions``. ``prompt`` is a string, a list of strings, a list of
+    token ids or a list of token-id lists (checked after decoding: msgspec unions hold
+    one array type)."""
+
+    prompt: str | list[str | int | list[int]] | None = None
+    echo: bool | None = False
+    logprobs: int | None = None
+    max_tokens: int | None = 16
+    n: int = 1
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[dict[str, Any]]
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int | None = 1
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+#: Fields trio-vllm knows but does not implement: set to anything but their default they
+#: get HTTP 400 instead of a result that silently differs from vLLM's.
+UNSUPPORTED_FIELDS: dict[str, object] = {
+    "suffix": None,
+    "response_format": None,
+    "structured_outputs": None,
+    "logprob_token_ids": None,
+    "prompt_logprobs": None,
+    "prompt_embeds": None,
+    "truncate_prompt_tokens": None,
+    "kv_transfer_params": None,
+    "ec_transfer_params": None,
+    "vllm_xargs": None,
+    "thinking_token_budget": None,
+    "repetition_detection": None,
+    "lora_request": None,
+}
+
+# ----------------------------------------------------------------------------- responses
+
+
+class ErrorInfo(Struct):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(Struct):
+    error: ErrorInfo
+
+
+class UsageInfo(Struct):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int
+    prompt_tokens_details: None = None
+    completion_tokens_details: None = None
+
+
+class StreamUsage(Struct):
+    """Usage as vLLM streams it (set fields only, no ``*_details``)."""
+
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int
+
+
+class CompletionLogProbs(Struct):
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class CompletionResponseChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    token_ids: list[int] | None = None
+    prompt_logprobs: None = None
+    prompt_token_ids: list[int] | None = None
+    routed_experts: None = None
+
+
+class CompletionResponse(Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    service_tier: None
+    system_fingerprint: str | None
+    usage: UsageInfo
+    kv_transfer_params: None = None
+    ec_transfer_params: None = None
+    metrics: None = None
+
+
+class CompletionStreamChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionStreamResponse(Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: StreamUsage | UnsetType = UNSET
+    system_fingerprint: str | UnsetType | None = UNSET
+
+
+class ChatCompletionLogProb(Struct):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(Struct):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+    top_logprobs: list[ChatCompletionLogProb] = msgspec.field(default_factory=list)
+
+
+class ChatCompletionLogProbs(Struct):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatResponseMessage(Struct):
+    role: str
+    content: str | None = None
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
+    tool_calls: list[Any] = msgspec.field(default_factory=list)
+    reasoning: None = None
+
+
+class ChatCompletionResponseChoice(Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatCompletionLogProbs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    token_ids: list[int] | None = None
+    routed_experts: None = None
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    service_tier: None
+    system_fingerprint: str | None
+    usage: UsageInfo
+    prompt_logprobs: None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
+    kv_transfer_params: None = None
+    ec_transfer_params: None = None
+    metrics: None = None
+
+
+class ChatDelta(Struct):
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatCompletionStreamChoice(Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatCompletionLogProbs | None
+    finish_reason: str | None
+    stop_reason: int | str | UnsetType | None = UNSET
+    token_ids: list[int] | UnsetType | None = UNSET
+
+
+class ChatCompletionStreamResponse(Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: StreamUsage | UnsetType = UNSET
+    system_fingerprint: str | UnsetType | None = UNSET
+    prompt_token_ids: list[int] | UnsetType | None = UNSET
+    prompt_text: str | UnsetType | None = UNSET
+
+
+class ModelPermission(Struct):
+    id: str
+    object: str
+    created: int
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: None = None
+    is_blocking: bool = False
+
+
+class ModelCard(Struct):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    root: str | None
+    parent: str | None
+    max_model_len: int | None
+    permission: list[ModelPermission]
+
+
+class ModelList(Struct):
+    object: str
+    data: list[ModelCard]
