@@ -111,8 +111,12 @@ def sse_events(body: bytes) -> list[Any]:
     return events
 
 
-async def wait_until(predicate: Any, timeout: float = 10.0) -> None:
-    """Poll ``predicate()`` every 10 ms until true; fail after ``timeout`` s."""
+async def wait_until(predicate: Any, timeout: float = 10.0) -> None:  # noqa: ASYNC109
+    """Poll ``predicate()`` every 10 ms until true; fail after ``timeout`` s.
+
+    Polling on purpose: the state watched (the engine's live requests, the server's
+    registry) has no event to wait on, and the test must not add one to the code.
+    """
     with anyio.fail_after(timeout):
-        while not predicate():
+        while not predicate():  # noqa: ASYNC110
             await anyio.sleep(0.01)
