@@ -24,7 +24,7 @@ from ..protocol.profiles import profile_for_version
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
-ENGINE_IDENTITY = b"\x00\x00"  # rank 0 (PROTOCOL.md §2: 2-byte little-endian rank)
+ENGINE_IDENTITY = b"\x00\x00"  # rank 0 (docs/protocol.md §2: 2-byte little-endian rank)
 PROTOCOL_VERSION = "0.32.0"
 
 
