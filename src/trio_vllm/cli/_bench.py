@@ -93,8 +93,9 @@ def add_parser(commands: Any) -> None:
         description=(
             "Reference engine in firehose mode. Cases: (a) blocking pyzmq + decoder, "
             "(b) get_output on trio, (c) on asyncio, (d) per-request streams with C "
-            "consumers on trio, (e) vLLM's AsyncMPClient with --vllm-python. Prints "
-            "outputs/s, messages/s and the ratios b/a, c/a, b/e, d/b."
+            "consumers on trio (f: on asyncio, with --stream-backends trio,asyncio), (e) "
+            "vLLM's AsyncMPClient with --vllm-python. Prints outputs/s, messages/s and "
+            "the ratios b/a, c/a, b/e, d/b (f/c)."
         ),
     )
     fh.add_argument(
@@ -128,6 +129,13 @@ def add_parser(commands: Any) -> None:
     )
     fh.add_argument(
         "--vllm-python", metavar="PY", help="a python with vLLM: also measure vLLM's AsyncMPClient"
+    )
+    fh.add_argument(
+        "--stream-backends",
+        default="trio",
+        type=_choices(*_BACKENDS),
+        metavar="B[,B]",
+        help="backends of the stream cases: d on trio (default), f on asyncio",
     )
     fh.add_argument(
         "--mode",
