@@ -186,8 +186,9 @@ def output_cases() -> list[dict[str, Any]]:
     text = "Hello world! 你好，世界 😀🎉 naïve café stop here. More text after."
     ids = tok.encode(text, add_special_tokens=False)
     im_start, im_end = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
-    assert im_start is not None and im_end is not None
-    special_ids = ids[:4] + [im_start, im_end, im_start] + ids[4:9] + [im_end, 1, 2] + ids[9:14]
+    assert im_start is not None
+    assert im_end is not None
+    special_ids = [*ids[:4], im_start, im_end, im_start, *ids[4:9], im_end, 1, 2, *ids[9:14]]
     cases: list[dict[str, Any]] = []
     for slow in (False, True):
         sfx = "-slow" if slow else ""

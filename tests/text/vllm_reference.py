@@ -51,7 +51,6 @@ def _request_output(out: Any) -> dict[str, Any]:
 def run_case(case: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
     import torch
-
     import vllm.v1.engine.detokenizer as detok_mod
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
