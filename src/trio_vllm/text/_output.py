@@ -244,42 +244,47 @@ class OutputProcessor:
         requests are ignored. A request whose stop string matched is finished here
         (``finish_reason="stop"``, ``stop_reason`` the string) and listed in
         ``reqs_to_abort`` when the engine had not finished it itself."""
-        result = OutputProcessorOutput()
+        request_outputs: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
+        states = self.request_states
+        stop = FinishReason.STOP
         for eco in engine_core_outputs:
             req_id = eco.request_id
-            state = self.request_states.get(req_id)
+            state = states.get(req_id)
             if state is None:
                 continue
             new_token_ids = eco.new_token_ids
-            finish_reason = eco.finish_reason
+            engine_finish = finish_reason = eco.finish_reason
             stop_reason = eco.stop_reason
             if state.is_prefilling:
                 if eco.prefill_stats is not None:
                     state.num_cached_tokens = eco.prefill_stats.num_cached_tokens
                 state.is_prefilling = False
-            num_prev_tokens = state.detokenizer.num_output_tokens()
-            stop_string = state.detokenizer.update(
-                new_token_ids, finish_reason == FinishReason.STOP
+            detokenizer = state.detokenizer
+            num_prev_tokens = detokenizer.num_output_tokens()
+            stop_string = detokenizer.update(
+                new_token_ids, finish_reason is not None and finish_reason == stop
             )
             if stop_string:
-                finish_reason = FinishReason.STOP
+                finish_reason = stop
                 stop_reason = stop_string
-                num_kept = state.detokenizer.num_output_tokens() - num_prev_tokens
+                num_kept = detokenizer.num_output_tokens() - num_prev_tokens
                 if num_kept < len(new_token_ids):
                     # Tokens after the stop string (several in one step): not ours to show.
                     new_token_ids = new_token_ids[:num_kept]
                     if eco.new_logprobs is not None:
                         eco = _with_sliced_logprobs(eco, num_kept)
-            state.logprobs_processor.update_from_output(eco)
+            if eco.new_logprobs is not None or eco.new_prompt_logprobs_tensors is not None:
+                state.logprobs_processor.update_from_output(eco)
             request_output = state.make_request_output(new_token_ids, finish_reason, stop_reason)
             if request_output is not None:
-                result.request_outputs.append(request_output)
+                request_outputs.append(request_output)
             if finish_reason is not None:
                 self._finish_request(state)
-                if eco.finish_reason is None:
+                if engine_finish is None:
                     # We stopped it (stop string); the engine is still generating.
-                    result.reqs_to_abort.append(req_id)
-        return result
+                    reqs_to_abort.append(req_id)
+        return OutputProcessorOutput(request_outputs, reqs_to_abort)
 
     def abort_requests(
         self, request_ids: Iterable[str], *, internal: bool
