@@ -187,3 +187,15 @@ def test_logprobs_with_decoded_tokens_and_cumulative(tiny: Tokenizer) -> None:
     decoded = "".join(lp.decoded_token or "" for _, lp in sampled)
     assert decoded == "😀 a"
     assert collected[-1].outputs[0].cumulative_logprob == pytest.approx(-0.25 * len(ids))
+
+
+def test_stream_interval(tiny: Tokenizer) -> None:
+    processed, out = _setup(tiny, stream_interval=3, output_kind=K.DELTA)
+    (rid,) = processed.engine_request_ids
+    ids = tiny.encode("abcdefg", add_special_tokens=False)[:1] * 7
+    sizes = []
+    for i, token_id in enumerate(ids):
+        finish = FinishReason.LENGTH if i == len(ids) - 1 else None
+        for o in out.process_outputs([_eco(rid, [token_id], finish)]).request_outputs:
+            sizes.append(len(o.outputs[0].token_ids))
+    assert sizes == [1, 3, 3]  # the first token, then every third, then the rest at the end

@@ -128,6 +128,9 @@ class RequestState:
         )
         self.is_prefilling = True
         self.num_cached_tokens = 0
+        # vLLM's stream_interval (the engine-level default is 1): outputs every N tokens.
+        self.stream_interval = max(params.stream_interval or 1, 1)
+        self.sent_tokens_offset = 0
 
     def make_request_output(
         self,
@@ -139,6 +142,18 @@ class RequestState:
         finished = finish_reason is not None
         if not finished and self.output_kind == RequestOutputKind.FINAL_ONLY:
             return None
+        if self.stream_interval > 1:
+            detokenizer = self.detokenizer
+            if not (
+                finished
+                or self.sent_tokens_offset == 0
+                or detokenizer.num_output_tokens() - self.sent_tokens_offset
+                >= self.stream_interval
+            ):
+                return None
+            if self.output_kind == RequestOutputKind.DELTA:
+                new_token_ids = detokenizer.output_token_ids[self.sent_tokens_offset :]
+                self.sent_tokens_offset = detokenizer.num_output_tokens()
         output = self._new_completion_output(new_token_ids, finish_reason, stop_reason)
         external_req_id = self.external_req_id
         if self.parent_req is None:
