@@ -108,3 +108,82 @@ def test_unknown_model_name_is_not_found_offline(monkeypatch: pytest.MonkeyPatch
         resolve_model_dir("no-such-org/no-such-model-trio-vllm")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_model_dir("/no/such/dir")
+
+
+class _FakeSlowTokenizer:
+    """The transformers surface the fallback uses, over a tokenizers backend (not fast)."""
+
+    is_fast = False
+
+    def __init__(self, backend: object) -> None:
+        self._b = backend
+        self.special_tokens_map = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+        self.all_special_tokens = ["<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
+        self.added_tokens_decoder = {i: t.content
+                                     for i, t in backend.get_added_tokens_decoder().items()}
+        self.chat_template = "{{ messages[0]['content'] }}"
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._b.get_vocab(with_added_tokens=True)
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return {t: i for i, t in self.added_tokens_decoder.items()}
+
+    def __len__(self) -> int:
+        return self._b.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._b.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._b.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int], skip_special_tokens: bool = False
+                              ) -> list[str | None]:
+        special = {self.get_vocab()[t] for t in self.all_special_tokens}
+        return [self._b.id_to_token(i) for i in ids
+                if not (skip_special_tokens and i in special)]
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        return self._b.decoder.decode(tokens)
+
+
+def test_transformers_fallback_takes_the_slow_path(
+    tmp_path: Path, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import types
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from trio_vllm.protocol import SamplingParams
+    from trio_vllm.text import IncrementalDetokenizer, SlowIncrementalDetokenizer
+
+    backend = HFTokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    loaded: list[str] = []
+
+    def from_pretrained(path: str) -> _FakeSlowTokenizer:
+        loaded.append(path)
+        return _FakeSlowTokenizer(backend)
+
+    fake = types.ModuleType("transformers")
+    fake.AutoTokenizer = types.SimpleNamespace(from_pretrained=from_pretrained)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformers", fake)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"vocab_size": 512}')
+    tok = load_tokenizer(tmp_path / "m")
+    assert loaded == [str(tmp_path / "m")]
+    assert not tok.is_fast
+    assert (tok.eos_token_id, tok.bos_token_id, tok.max_token_id) == (2, 1, 511)
+    assert tok.chat_template == "{{ messages[0]['content'] }}"
+    text = "Hi 你好 😀"
+    ids = tok.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer.for_request(tok, tok.encode("Say: "),
+                                           SamplingParams(skip_special_tokens=False))
+    assert isinstance(d, SlowIncrementalDetokenizer)
+    pieces = []
+    for token_id in [*ids, 3, 4]:
+        d.update([token_id], False)
+        pieces.append(d.get_next_output_text(False, True))
+    assert all("\ufffd" not in p for p in pieces)
+    # Slow tokenizers with added tokens join the pieces around them with spaces (vLLM).
+    assert d.output_text == text + " <|im_start|> <|im_end|>"
