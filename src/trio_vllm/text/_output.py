@@ -118,6 +118,8 @@ class RequestState:
         self.parent_req = parent_req
         self.request_index = request_index
         self.output_kind = params.output_kind
+        self._delta = params.output_kind == RequestOutputKind.DELTA
+        self._final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         self.prompt = prompt
         self.prompt_token_ids = request.prompt_token_ids
         if not params.detokenize:
@@ -140,10 +142,11 @@ class RequestState:
     ) -> RequestOutput | None:
         """The output for the caller after one engine output (``None``: nothing to say)."""
         finished = finish_reason is not None
-        if not finished and self.output_kind == RequestOutputKind.FINAL_ONLY:
+        if not finished and self._final_only:
             return None
+        delta = self._delta
+        detokenizer = self.detokenizer
         if self.stream_interval > 1:
-            detokenizer = self.detokenizer
             if not (
                 finished
                 or self.sent_tokens_offset == 0
@@ -151,57 +154,44 @@ class RequestState:
                 >= self.stream_interval
             ):
                 return None
-            if self.output_kind == RequestOutputKind.DELTA:
+            if delta:
                 new_token_ids = detokenizer.output_token_ids[self.sent_tokens_offset :]
                 self.sent_tokens_offset = detokenizer.num_output_tokens()
-        output = self._new_completion_output(new_token_ids, finish_reason, stop_reason)
+        # The completion (vLLM's _new_completion_output), built positionally: this runs
+        # once per token per request.
+        text = detokenizer.get_next_output_text(finished, delta)
+        token_ids = new_token_ids if delta else list(detokenizer.output_token_ids)
+        lp = self.logprobs_processor
+        logprobs = lp.logprobs
+        if logprobs is not None:
+            if delta:
+                logprobs = logprobs[-len(token_ids) :] if token_ids else []
+            else:
+                logprobs = list(logprobs)
+        if finished:
+            output = CompletionOutput(self.request_index, text, token_ids,
+                                      lp.cumulative_logprob, logprobs, str(finish_reason),
+                                      stop_reason)
+        else:
+            output = CompletionOutput(self.request_index, text, token_ids,
+                                      lp.cumulative_logprob, logprobs)
         external_req_id = self.external_req_id
-        if self.parent_req is None:
+        parent = self.parent_req
+        if parent is None:
             outputs = [output]
         else:
-            outputs, finished = self.parent_req.get_outputs(self.request_id, output)
+            outputs, finished = parent.get_outputs(self.request_id, output)
             if not outputs:
                 return None
-            external_req_id = self.parent_req.external_req_id
-        if self.output_kind == RequestOutputKind.DELTA:
-            prompt_logprobs = self.logprobs_processor.pop_prompt_logprobs()
+            external_req_id = parent.external_req_id
+        if lp.prompt_logprobs is None:
+            prompt_logprobs = None
+        elif delta:
+            prompt_logprobs = lp.pop_prompt_logprobs()
         else:
-            prompt_logprobs = self.logprobs_processor.prompt_logprobs
-        return RequestOutput(
-            request_id=external_req_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=prompt_logprobs,
-            outputs=outputs,
-            finished=finished,
-            num_cached_tokens=self.num_cached_tokens,
-        )
-
-    def _new_completion_output(
-        self,
-        token_ids: list[int],
-        finish_reason: FinishReason | None,
-        stop_reason: int | str | None,
-    ) -> CompletionOutput:
-        finished = finish_reason is not None
-        delta = self.output_kind == RequestOutputKind.DELTA
-        text = self.detokenizer.get_next_output_text(finished, delta)
-        if not delta:
-            token_ids = list(self.detokenizer.output_token_ids)
-        logprobs = self.logprobs_processor.logprobs
-        if delta and logprobs:
-            logprobs = logprobs[-len(token_ids) :] if token_ids else []
-        elif logprobs is not None:
-            logprobs = list(logprobs)
-        return CompletionOutput(
-            index=self.request_index,
-            text=text,
-            token_ids=token_ids,
-            cumulative_logprob=self.logprobs_processor.cumulative_logprob,
-            logprobs=logprobs,
-            finish_reason=str(finish_reason) if finished else None,
-            stop_reason=stop_reason if finished else None,
-        )
+            prompt_logprobs = lp.prompt_logprobs
+        return RequestOutput(external_req_id, self.prompt, self.prompt_token_ids,
+                             prompt_logprobs, outputs, finished, self.num_cached_tokens)
 
 
 @dataclass
@@ -276,14 +266,14 @@ class OutputProcessor:
                     state.num_cached_tokens = eco.prefill_stats.num_cached_tokens
                 state.is_prefilling = False
             detokenizer = state.detokenizer
-            num_prev_tokens = detokenizer.num_output_tokens()
+            num_prev_tokens = len(detokenizer.token_ids)
             stop_string = detokenizer.update(
                 new_token_ids, finish_reason is not None and finish_reason == stop
             )
             if stop_string:
                 finish_reason = stop
                 stop_reason = stop_string
-                num_kept = detokenizer.num_output_tokens() - num_prev_tokens
+                num_kept = len(detokenizer.token_ids) - num_prev_tokens
                 if num_kept < len(new_token_ids):
                     # Tokens after the stop string (several in one step): not ours to show.
                     new_token_ids = new_token_ids[:num_kept]
