@@ -312,3 +312,38 @@ def params_cases() -> list[dict[str, Any]]:
             {"bad_words": ["hello", " world"]},
         )
     ]
+
+
+def inputs_case() -> dict[str, Any]:
+    """Prompts and params through vLLM's InputProcessor (max_model_len 32)."""
+    items: list[dict[str, Any]] = [
+        {"prompt": "Hello world", "params": {"max_tokens": None}},
+        {"prompt": {"prompt": "Hi 你好 😀"}, "params": {"stop": ["abc", "z"], "max_tokens": 4}},
+        {"prompt": {"prompt_token_ids": [5, 6, 7]}, "params": {"ignore_eos": True}},
+        {"prompt": {"prompt_token_ids": [5, 6]}, "params": {"stop_token_ids": [9, 4]}},
+        {"prompt": {"prompt_token_ids": list(range(5, 37))}, "params": {}},
+        {"prompt": {"prompt_token_ids": list(range(5, 45))}, "params": {}},
+        {"prompt": "hello " * 40, "params": {}},
+        {"prompt": "x" * 100_000, "params": {}},
+        {"prompt": {"prompt_token_ids": [5, 512]}, "params": {}},
+        {"prompt": {"prompt_token_ids": []}, "params": {}},
+        {"prompt": {"prompt_token_ids": [5]}, "params": {"logprobs": 21}},
+        {"prompt": {"prompt_token_ids": [5]}, "params": {"prompt_logprobs": 30}},
+        {"prompt": {"prompt_token_ids": [5]}, "params": {"stop_token_ids": [600]}},
+        {"prompt": {"prompt_token_ids": [5, 6]}, "params": {"max_tokens": None,
+                                                            "min_tokens": 40}},
+    ]
+    return {"kind": "inputs", "model": TINY_LLAMA, "max_model_len": 32, "items": items}
+
+
+def chat_parse_case() -> dict[str, Any]:
+    return {"kind": "chat_parse", "model": TINY_LLAMA, "messages": [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+         "name": "bob"},
+        {"role": "assistant", "content": None, "extra": 1, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "f", "arguments": "{\"x\": [1, 2]}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+        {"role": "user", "content": "end"},
+    ]}

@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from trio_vllm import InvalidRequestError
 from trio_vllm.protocol import SamplingParams
-from trio_vllm.text import InputProcessor, ModelFiles, render_chat_template
+from trio_vllm.text import InputProcessor, ModelFiles, normalize_messages, render_chat_template
 
 from . import _parity
 from ._parity import TINY_LLAMA, tokenizer_for
 
-pytestmark = pytest.mark.vllm
+# One vLLM subprocess runs every case (about 30 s on an idle machine; slower when loaded).
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 REFERENCE = Path(__file__).with_name("vllm_reference.py")
 
@@ -39,7 +42,7 @@ def _vllm_python() -> str:
 def _run_vllm(cases: list[dict[str, Any]]) -> list[Any]:
     proc = subprocess.run(
         [_vllm_python(), str(REFERENCE)], input=json.dumps(cases), capture_output=True,
-        text=True, timeout=110, check=False,
+        text=True, timeout=540, check=False,
         env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "TOKENIZERS_PARALLELISM": "false"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -48,22 +51,35 @@ def _run_vllm(cases: list[dict[str, Any]]) -> list[Any]:
     return result
 
 
+@pytest.fixture(scope="module")
+def vllm_results() -> dict[str, Any]:
+    """Every case through vLLM in one subprocess (importing vLLM takes seconds)."""
+    cases = {
+        "outputs": _parity.output_cases() + _parity.fuzz_cases(),
+        "tokenizer": [_parity.tokenizer_case()],
+        "params": _parity.params_cases(),
+        "inputs": [_parity.inputs_case()],
+        "chat_parse": [_parity.chat_parse_case()],
+    }
+    flat = [c for group in cases.values() for c in group]
+    results = iter(_run_vllm(flat))
+    return {name: (group, [next(results) for _ in group]) for name, group in cases.items()}
+
+
 def _ours(case: dict[str, Any]) -> dict[str, Any]:
     # Through JSON, as the reference's results are (tuples/lists, int keys).
     result: dict[str, Any] = json.loads(json.dumps(_parity.run_case_here(case)))
     return result
 
 
-def test_output_processing_matches_vllm() -> None:
-    cases = _parity.output_cases() + _parity.fuzz_cases()
-    theirs = _run_vllm(cases)
+def test_output_processing_matches_vllm(vllm_results: dict[str, Any]) -> None:
+    cases, theirs = vllm_results["outputs"]
     for case, expected in zip(cases, theirs, strict=True):
         assert _ours(case) == expected, case["name"]
 
 
-def test_tokenizer_and_chat_template_match_vllm() -> None:
-    case = _parity.tokenizer_case()
-    (expected,) = _run_vllm([case])
+def test_tokenizer_and_chat_template_match_vllm(vllm_results: dict[str, Any]) -> None:
+    (case,), (expected,) = vllm_results["tokenizer"]
     tok = tokenizer_for(TINY_LLAMA)
     assert [tok.encode(t) for t in case["texts"]] == expected["encode"]
     assert [tok.encode(t, add_special_tokens=False) for t in case["texts"]] == (
@@ -83,9 +99,8 @@ def test_tokenizer_and_chat_template_match_vllm() -> None:
     assert rendered == expected["chat"]
 
 
-def test_generation_config_stop_ids_match_vllm() -> None:
-    cases = _parity.params_cases()
-    theirs = _run_vllm(cases)
+def test_generation_config_stop_ids_match_vllm(vllm_results: dict[str, Any]) -> None:
+    cases, theirs = vllm_results["params"]
     files = ModelFiles(TINY_LLAMA)
     processor = InputProcessor.from_model_files(files, tokenizer_for(TINY_LLAMA),
                                                 max_model_len=512)
@@ -98,3 +113,42 @@ def test_generation_config_stop_ids_match_vllm() -> None:
             "_bad_words_token_ids": p._bad_words_token_ids,
         }
         assert got == expected, case["params"]
+
+
+def test_input_processing_matches_vllm(vllm_results: dict[str, Any]) -> None:
+    (case,), (expected,) = vllm_results["inputs"]
+    files = ModelFiles(TINY_LLAMA)
+    processor = InputProcessor.from_model_files(files, tokenizer_for(TINY_LLAMA),
+                                                max_model_len=case["max_model_len"])
+    for item, theirs in zip(case["items"], expected["items"], strict=True):
+        error = None
+        try:
+            processed = processor.process_inputs(
+                "ext-id", item["prompt"], SamplingParams(**item["params"])
+            )
+        except InvalidRequestError as exc:
+            error = str(exc)
+        if error is not None:
+            assert "error" in theirs, (item, error)
+            # vLLM appends " (parameter=..., value=...)" to some messages.
+            assert theirs["error"].startswith(error), (item, error, theirs["error"])
+            continue
+        assert "error" not in theirs, (item, theirs)
+        (request,) = processed.requests
+        p = processed.sampling_params
+        assert re.fullmatch(r"ext-id-[0-9a-f]{8}", theirs["request_id"])
+        assert re.fullmatch(r"ext-id-[0-9a-f]{8}", request.request_id)
+        got = {
+            "external_req_id": request.external_req_id,
+            "prompt_token_ids": request.prompt_token_ids,
+            "max_tokens": p.max_tokens, "_eos_token_id": p._eos_token_id,
+            "stop_token_ids": p.stop_token_ids,
+            "_all_stop_token_ids": sorted(p._all_stop_token_ids),
+            "output_text_buffer_length": p.output_text_buffer_length,
+        }
+        assert got == {k: v for k, v in theirs.items() if k != "request_id"}, item
+
+
+def test_chat_message_parsing_matches_vllm(vllm_results: dict[str, Any]) -> None:
+    (case,), (expected,) = vllm_results["chat_parse"]
+    assert normalize_messages(case["messages"]) == expected["conversation"]
