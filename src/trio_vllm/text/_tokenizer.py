@@ -292,7 +292,7 @@ class Tokenizer:
     @classmethod
     def _from_transformers(cls, files: ModelFiles, chat_template: str | None) -> Tokenizer:
         try:
-            from transformers import AutoTokenizer  # type: ignore[import-not-found]
+            from transformers import AutoTokenizer
         except ImportError:
             raise FileNotFoundError(
                 f"{files.path} has no tokenizer.json; loading its tokenizer needs the optional "
