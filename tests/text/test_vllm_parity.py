@@ -52,11 +52,14 @@ def _run_vllm(cases: list[dict[str, Any]]) -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def vllm_results() -> dict[str, Any]:
+def vllm_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every case through vLLM in one subprocess (importing vLLM takes seconds)."""
+    _vllm_python()
+    sp = _parity.build_sentencepiece_model(tmp_path_factory.mktemp("models") / "sp-bpe")
     cases = {
-        "outputs": _parity.output_cases() + _parity.fuzz_cases(),
-        "tokenizer": [_parity.tokenizer_case()],
+        "outputs": _parity.output_cases() + _parity.fuzz_cases()
+        + _parity.output_cases(sp) + _parity.fuzz_cases(model=sp),
+        "tokenizer": [_parity.tokenizer_case(), _parity.tokenizer_case(sp)],
         "params": _parity.params_cases(),
         "inputs": [_parity.inputs_case()],
         "chat_parse": [_parity.chat_parse_case()],
@@ -78,9 +81,12 @@ def test_output_processing_matches_vllm(vllm_results: dict[str, Any]) -> None:
         assert _ours(case) == expected, case["name"]
 
 
-def test_tokenizer_and_chat_template_match_vllm(vllm_results: dict[str, Any]) -> None:
-    (case,), (expected,) = vllm_results["tokenizer"]
-    tok = tokenizer_for(TINY_LLAMA)
+@pytest.mark.parametrize("which", [0, 1], ids=["tiny-llama", "sentencepiece-bpe"])
+def test_tokenizer_and_chat_template_match_vllm(vllm_results: dict[str, Any], which: int
+                                                ) -> None:
+    cases, results = vllm_results["tokenizer"]
+    case, expected = cases[which], results[which]
+    tok = tokenizer_for(case["model"])
     assert [tok.encode(t) for t in case["texts"]] == expected["encode"]
     assert [tok.encode(t, add_special_tokens=False) for t in case["texts"]] == (
         expected["encode_plain"]
