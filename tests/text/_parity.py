@@ -315,6 +315,8 @@ def tokenizer_case(model: str = TINY_LLAMA) -> dict[str, Any]:
             [[{"role": "system", "content": "Be brief."},
               {"role": "user", "content": "Hi 😀"}], True],
             [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}], False],
+            [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo "}],
+             "continue"],
         ] if model == TINY_LLAMA else [],  # the other model has no chat template
     }
 

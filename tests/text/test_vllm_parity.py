@@ -99,7 +99,10 @@ def test_tokenizer_and_chat_template_match_vllm(vllm_results: dict[str, Any], wh
     assert tok.eos_token_id == expected["eos_token_id"]
     assert tok.max_token_id == expected["max_token_id"]
     rendered = [
-        render_chat_template(conv, tokenizer=tok, add_generation_prompt=agp)
+        render_chat_template(conv, tokenizer=tok, add_generation_prompt=False,
+                             continue_final_message=True)
+        if agp == "continue" else render_chat_template(conv, tokenizer=tok,
+                                                       add_generation_prompt=agp)
         for conv, agp in case["chats"]
     ]
     assert rendered == expected["chat"]

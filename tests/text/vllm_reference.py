@@ -171,6 +171,9 @@ def run_tokenizer(case: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str,
         "eos_token_id": tok.eos_token_id,
         "max_token_id": tok.max_token_id,
         "chat": [
+            tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=False,
+                                    continue_final_message=True)
+            if agp == "continue" else
             tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=agp)
             for conv, agp in case["chats"]
         ],
