@@ -360,6 +360,7 @@ def inputs_case() -> dict[str, Any]:
 def chat_parse_case() -> dict[str, Any]:
     return {"kind": "chat_parse", "model": TINY_LLAMA, "messages": [
         {"role": "system", "content": "sys"},
+        {"role": "developer", "content": "dev", "tools": [{"type": "function"}]},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
          "name": "bob"},
         {"role": "assistant", "content": None, "extra": 1, "tool_calls": [
