@@ -127,12 +127,14 @@ class _TextDetokenizer(IncrementalDetokenizer):
         # Drop our reference while appending: with the local as the only one, CPython
         # grows the string in place instead of copying the whole text per token.
         text, self._text = self._text, ""
-        for token_id in new_token_ids:
-            token_ids.append(token_id)
-            text += decode_next(token_id)
-            if offsets is not None:
-                offsets.append(len(text))
-        self._text = text
+        try:
+            for token_id in new_token_ids:
+                token_ids.append(token_id)
+                text += decode_next(token_id)
+                if offsets is not None:
+                    offsets.append(len(text))
+        finally:  # an error from the tokenizer must not lose the text
+            self._text = text
 
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> str | None:
         if not new_token_ids:
@@ -242,18 +244,20 @@ class FastIncrementalDetokenizer(_TextDetokenizer):
         backend = self._backend
         step = self._step
         text, self._text = self._text, ""
-        for token_id in new_token_ids:
-            append(token_id)
-            try:
-                piece = step(backend, token_id)
-            except Exception as exc:
-                piece = self._recover(token_id, exc)
-                step = self._step
-            if piece:
-                text += piece
-            if offsets is not None:
-                offsets.append(len(text))
-        self._text = text
+        try:
+            for token_id in new_token_ids:
+                append(token_id)
+                try:
+                    piece = step(backend, token_id)
+                except Exception as exc:
+                    piece = self._recover(token_id, exc)
+                    step = self._step
+                if piece:
+                    text += piece
+                if offsets is not None:
+                    offsets.append(len(text))
+        finally:  # an error from the tokenizer must not lose the text
+            self._text = text
 
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> str | None:
         if self.stop or not self.spaces_between_special_tokens or not new_token_ids:
@@ -267,18 +271,20 @@ class FastIncrementalDetokenizer(_TextDetokenizer):
         backend = self._backend
         step = self._step
         text, self._text = self._text, ""
-        for token_id in new_token_ids:
-            append(token_id)
-            try:
-                piece = step(backend, token_id)
-            except Exception as exc:
-                piece = self._recover(token_id, exc)
-                step = self._step
-            if piece:
-                text += piece
+        try:
+            for token_id in new_token_ids:
+                append(token_id)
+                try:
+                    piece = step(backend, token_id)
+                except Exception as exc:
+                    piece = self._recover(token_id, exc)
+                    step = self._step
+                if piece:
+                    text += piece
+        finally:  # an error from the tokenizer must not lose the text
+            self._text = text
         if skipped is not None:
             append(skipped)
-        self._text = text
         return None
 
     def _recover(self, next_token_id: int, exc: Exception) -> str | None:
