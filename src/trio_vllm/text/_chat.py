@@ -59,7 +59,7 @@ def _text_of_parts(role: str, parts: Sequence[object]) -> str:
     return "\n".join(texts)
 
 
-def normalize_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+def normalize_messages(messages: Sequence[ChatMessage]) -> list[dict[str, object]]:
     """vLLM's conversation for a text-only model (see the module docstring).
 
     Raises :class:`~trio_vllm.InvalidRequestError` for a malformed message.
@@ -67,7 +67,7 @@ def normalize_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     given: object = messages  # callers from JSON may pass anything
     if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
         raise InvalidRequestError("messages must be a list of message objects")
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, object]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise InvalidRequestError(f"messages[{i}] must be an object")
@@ -159,8 +159,8 @@ def render_chat_template(
     tokenizer: Tokenizer | None = None,
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    documents: Sequence[Mapping[str, Any]] | None = None,
+    tools: Sequence[Mapping[str, object]] | None = None,
+    documents: Sequence[Mapping[str, object]] | None = None,
     chat_template_kwargs: Mapping[str, object] | None = None,
     continue_final_message: bool = False,
 ) -> str:
@@ -193,7 +193,7 @@ def render_chat_template(
         raise InvalidRequestError(
             "Cannot set both continue_final_message and add_generation_prompt to True."
         )
-    conversation = normalize_messages(messages)
+    conversation: list[dict[str, Any]] = normalize_messages(messages)
     if any(m["role"] == "developer" for m in conversation) and not (
         '"developer"' in template or "'developer'" in template
     ):
