@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_MAX_LOGPROBS", "InputProcessor", "ProcessedRequest", "random_uuid"]
 
+# Appended to vLLM's text for a prompt of exactly max_model_len tokens, so every too-long
+# refusal names the context length (the contract servers rely on).
+_CONTEXT_SUFFIX: Final = " This model's maximum context length is {} tokens."
+
 #: vLLM's default ``--max-logprobs``.
 DEFAULT_MAX_LOGPROBS: Final = 20
 _MASK_64: Final = (1 << 64) - 1
@@ -223,7 +227,7 @@ class InputProcessor:
                 f"The decoder prompt (length {n}) plus the number of requested output tokens "
                 f"(at least 1) is longer than the maximum model length of {max_len}. Make "
                 f"sure that `max_model_len` is no smaller than the number of text tokens "
-                f"(prompt + requested output tokens)."
+                f"(prompt + requested output tokens).{_CONTEXT_SUFFIX.format(max_len)}"
             )
         lo, hi = min(ids), max(ids)
         if lo < 0:

@@ -237,9 +237,10 @@ class Tokenizer:
             }
             self._is_bpe = False
             self._space_marker = None
-        if model_vocab_size is not None:
-            # vLLM: ids below the model's vocabulary are in vocabulary too (Qwen pads it).
-            self.max_token_id = max(self.max_token_id, model_vocab_size - 1)
+        #: ``config.json``'s ``vocab_size`` (may exceed the tokenizer's: Qwen pads it). An
+        #: id is in vocabulary up to ``max(max_token_id, model_vocab_size - 1)``, as vLLM
+        #: validates prompts (``InputProcessor`` does that).
+        self.model_vocab_size = model_vocab_size
         self._special_id_set = frozenset(self.all_special_ids)
 
     # -- construction -------------------------------------------------------------------
@@ -268,9 +269,10 @@ class Tokenizer:
         decoder = cfg.get("added_tokens_decoder")
         if isinstance(decoder, Mapping):
             have = backend.get_added_tokens_decoder()
-            for key, value in sorted(decoder.items(), key=lambda kv: int(kv[0])):
+            entries = [(int(k), v) for k, v in decoder.items() if str(k).isdigit()]
+            for index, value in sorted(entries, key=lambda kv: kv[0]):
                 content = _token_content(value)
-                if content is None or int(key) in have or backend.token_to_id(content) is not None:
+                if content is None or index in have or backend.token_to_id(content) is not None:
                     continue
                 special = bool(value.get("special", True)) if isinstance(value, Mapping) else True
                 backend.add_tokens([AddedToken(content, special=special, normalized=not special)])
