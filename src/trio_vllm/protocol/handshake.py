@@ -1,13 +1,13 @@
-"""Client side of the engine startup handshake (PROTOCOL.md §2), sans-I/O.
+"""Client side of the engine startup handshake (docs/protocol.md §2), sans-I/O.
 
 The machine is fed ``(identity, payload)`` pairs as they arrive on the two
 sockets that take part in startup and answers with a list of events; it never
 touches a socket, a clock or a task:
 
-* :meth:`ClientHandshake.receive_handshake` for messages on the handshake ROUTER
-  (``HELLO``, ``READY``). A ``HELLO`` yields :class:`SendInitMetadata`, the one
+* `ClientHandshake.receive_handshake` for messages on the handshake ROUTER
+  (``HELLO``, ``READY``). A ``HELLO`` yields `SendInitMetadata`, the one
   reply the caller must send back to that identity.
-* :meth:`ClientHandshake.receive_input` for messages on the input ROUTER during
+* `ClientHandshake.receive_input` for messages on the input ROUTER during
   startup (the EngineCoreReadyResponse, one per engine).
 
 Rules of this file:
@@ -16,12 +16,12 @@ Rules of this file:
   response on the input socket may arrive before or after ``READY`` (the engine
   sends it first, but on another socket), never before ``HELLO`` (the engine only
   learns the input address from our reply).
-* Every error of PROTOCOL.md §2.4 (unexpected rank, local/headless mismatch, a
+* Every error of docs/protocol.md §2.4 (unexpected rank, local/headless mismatch, a
   message in the wrong state, undecodable payloads, engines disagreeing on
-  ``parallel_config_hash`` or ``vllm_version``) raises :class:`ProtocolError` and
+  ``parallel_config_hash`` or ``vllm_version``) raises `ProtocolError` and
   moves the machine to ``ERROR``; any later use raises again. The caller turns that
-  into an :class:`~trio_vllm.EngineStartupError`.
-* Timeouts belong to the caller; :meth:`ClientHandshake.describe_waiting` says what
+  into an `EngineStartupError`.
+* Timeouts belong to the caller; `ClientHandshake.describe_waiting` says what
   is still missing, for its error message.
 """
 
@@ -64,7 +64,7 @@ def identity_for_rank(rank: int) -> bytes:
 
 
 def rank_for_identity(identity: bytes) -> int:
-    """Inverse of :func:`identity_for_rank`; :class:`ProtocolError` for anything else."""
+    """Inverse of `identity_for_rank`; `ProtocolError` for anything else."""
     if len(identity) != 2:
         raise ProtocolError(
             f"unexpected routing identity {identity.hex() or '(empty)'}: "
@@ -190,7 +190,7 @@ class _Config:
 
 
 class ClientHandshake:
-    """The frontend's handshake with a fixed set of engine ranks (PROTOCOL.md §2.2/§2.3).
+    """The frontend's handshake with a fixed set of engine ranks (docs/protocol.md §2.2/§2.3).
 
     Args:
         ranks: the data-parallel ranks expected to connect (identities ``rank`` as 2
@@ -294,8 +294,8 @@ class ClientHandshake:
     def receive_handshake(self, identity: bytes, payload: bytes) -> list[HandshakeEvent]:
         """Feed one ``[identity][payload]`` message from the handshake ROUTER.
 
-        Returns the events it caused; a :class:`SendInitMetadata` among them must be
-        sent. Raises :class:`ProtocolError` (and enters ``ERROR``) on any violation.
+        Returns the events it caused; a `SendInitMetadata` among them must be
+        sent. Raises `ProtocolError` (and enters ``ERROR``) on any violation.
         """
         self._check_usable()
         try:
