@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ._exceptions import EngineDeadError as EngineDeadError
 from ._exceptions import EngineStartupError as EngineStartupError
 from ._exceptions import InsecureSerializationError as InsecureSerializationError
+from ._exceptions import InvalidRequestError as InvalidRequestError
 from ._exceptions import ProtocolError as ProtocolError
 from ._exceptions import TrioVllmError as TrioVllmError
 from ._exceptions import UnroutableError as UnroutableError
@@ -64,6 +65,11 @@ if TYPE_CHECKING:
     from .client._inproc import InprocEngine as InprocEngine
     from .sync import SyncClient as SyncClient
     from .sync import SyncRequestStream as SyncRequestStream
+    from .text import CompletionOutput as CompletionOutput
+    from .text import Logprob as Logprob
+    from .text import RequestOutput as RequestOutput
+    from .text import TextPrompt as TextPrompt
+    from .text import TokensPrompt as TokensPrompt
 
 _LAZY: dict[str, str] = {
     "EngineCoreClient": ".client",
@@ -82,9 +88,14 @@ _LAZY: dict[str, str] = {
     "InprocEngine": ".client._inproc",
     "SyncClient": ".sync",
     "SyncRequestStream": ".sync",
+    "CompletionOutput": ".text",
+    "Logprob": ".text",
+    "RequestOutput": ".text",
+    "TextPrompt": ".text",
+    "TokensPrompt": ".text",
 }
 
-_LAZY_SUBMODULES = frozenset({"client", "sync", "transport"})
+_LAZY_SUBMODULES = frozenset({"client", "sync", "text", "transport"})
 
 __all__ = [
     "ENGINE_CORE_DEAD",
@@ -101,6 +112,7 @@ __all__ = [
     "EngineStartupError",
     "FinishReason",
     "InsecureSerializationError",
+    "InvalidRequestError",
     "LoRARequest",
     "LogprobsLists",
     "LogprobsTensors",
