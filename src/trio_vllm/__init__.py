@@ -67,8 +67,10 @@ if TYPE_CHECKING:
     from .sync import SyncRequestStream as SyncRequestStream
     from .text import CompletionOutput as CompletionOutput
     from .text import Logprob as Logprob
+    from .text import ModelFiles as ModelFiles
     from .text import RequestOutput as RequestOutput
     from .text import TextPrompt as TextPrompt
+    from .text import Tokenizer as Tokenizer
     from .text import TokensPrompt as TokensPrompt
 
 _LAZY: dict[str, str] = {
@@ -90,8 +92,10 @@ _LAZY: dict[str, str] = {
     "SyncRequestStream": ".sync",
     "CompletionOutput": ".text",
     "Logprob": ".text",
+    "ModelFiles": ".text",
     "RequestOutput": ".text",
     "TextPrompt": ".text",
+    "Tokenizer": ".text",
     "TokensPrompt": ".text",
 }
 
