@@ -69,12 +69,15 @@ def add_generate_parser(commands: Any) -> None:
     base: type[argparse.ArgumentParser] = commands._parser_class
 
     class _GenerateParser(base):  # type: ignore[valid-type,misc]
-        def parse_known_args(  # type: ignore[override]
+        def parse_known_args(
             self, args: Sequence[str] | None = None, namespace: Any = None
         ) -> tuple[argparse.Namespace, list[str]]:
             if args is None:
                 args = sys.argv[1:]
-            return super().parse_known_args(_join_raw_values(args), namespace)
+            parsed: tuple[argparse.Namespace, list[str]] = super().parse_known_args(
+                _join_raw_values(args), namespace
+            )
+            return parsed
 
     commands._parser_class = _GenerateParser
     try:
