@@ -212,43 +212,50 @@ class RequestOutputStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self._pending:
+        pending = self._pending
+        if pending:
             await anyio.lowlevel.checkpoint_if_cancelled()
-            return self._pending.popleft()
+            return pending.popleft()
         while True:
             if self.finished or self._closed:
                 raise StopAsyncIteration
-            kind, value = await self._next_item()
-            if kind == _OUTPUT:
-                await self._process(value)
-            elif kind == _END:
-                # The client stream ended without a final output: aborted through the
-                # client (llm.abort, client.abort_requests).
-                self._aborted_by_client(value)
+            receive = self._receive
+            if receive is None:
+                # One engine request: read its client stream here (the hot path).
+                stream = self._children[0].stream
+                assert stream is not None
+                try:
+                    output = await stream.__anext__()
+                except StopAsyncIteration:
+                    # Ended without a final output: aborted through the client
+                    # (llm.abort, client.abort_requests).
+                    self._aborted_by_client([self._children[0].request_id])
+                else:
+                    await self._process(output)
             else:
-                raise value
-            if self._pending:
-                return self._pending.popleft()
-
-    async def _next_item(self) -> tuple[str, Any]:
-        receive = self._receive
-        if receive is not None:
-            # Never EndOfStream: this stream keeps its own sender open until closed. A
-            # pump ends by itself only after sending an _END or _ERROR item; one ended by
-            # a cancellation sends nothing (that cancellation reaches this task too).
-            return await receive.receive()
-        child = self._children[0]
-        assert child.stream is not None
-        try:
-            return (_OUTPUT, await child.stream.__anext__())
-        except StopAsyncIteration:
-            return (_END, [child.request_id])
+                # Never EndOfStream: this stream keeps its own sender open until closed.
+                # A pump ends by itself only after sending an _END or _ERROR item; one
+                # ended by a cancellation sends nothing (it reaches this task too).
+                kind, value = await receive.receive()
+                if kind == _OUTPUT:
+                    await self._process(value)
+                elif kind == _END:
+                    self._aborted_by_client(value)
+                else:
+                    raise value
+            if pending:
+                return pending.popleft()
 
     async def _process(self, output: EngineCoreOutput) -> None:
         result = self._processor.process_outputs((output,))
-        self._pending.extend(result.request_outputs)
-        self._check_finished()
-        for request_id in result.reqs_to_abort:
+        if result.request_outputs:
+            self._pending.extend(result.request_outputs)
+        to_abort = result.reqs_to_abort
+        if output.finish_reason is not None or to_abort:
+            # A child finished (by the engine or by a stop string): only then can the
+            # whole request have.
+            self._check_finished()
+        for request_id in to_abort:
             # A stop string finished it: the engine would keep generating. Leaving the
             # client stream sends ABORT without a checkpoint (so this cannot be
             # cancelled half-way; the output above is already queued).
