@@ -24,6 +24,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from .._exceptions import TrioVllmError
+from ..protocol import RequestOutputKind
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
     from ..text import OutputProcessor, ProcessedRequest, RequestOutput
 
 __all__ = ["RequestOutputStream"]
+
+# Outputs of one request taken from its client stream in one go, when the caller lagged.
+_MAX_DRAIN: Final = 64
 
 _END: Final = "end"
 _OUTPUT: Final = "output"
@@ -95,6 +99,7 @@ class RequestOutputStream:
         self._client = client
         self._processor = processor
         self._processed = processed
+        self._delta = processed.sampling_params.output_kind == RequestOutputKind.DELTA
         self._children = [_Child(req) for req in processed.requests]
         self._by_id = {c.request_id: c for c in self._children}
         self._pending: collections.deque[RequestOutput] = collections.deque()
@@ -212,10 +217,9 @@ class RequestOutputStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        pending = self._pending
-        if pending:
+        if self._pending:
             await anyio.lowlevel.checkpoint_if_cancelled()
-            return pending.popleft()
+            return self._take()
         while True:
             if self.finished or self._closed:
                 raise StopAsyncIteration
@@ -231,27 +235,40 @@ class RequestOutputStream:
                     # (llm.abort, client.abort_requests).
                     self._aborted_by_client([self._children[0].request_id])
                 else:
-                    await self._process(output)
+                    batch = [output]
+                    if output.finish_reason is None:
+                        _drain(stream, batch)
+                    await self._process(batch)
             else:
                 # Never EndOfStream: this stream keeps its own sender open until closed.
                 # A pump ends by itself only after sending an _END or _ERROR item; one
                 # ended by a cancellation sends nothing (it reaches this task too).
                 kind, value = await receive.receive()
                 if kind == _OUTPUT:
-                    await self._process(value)
+                    await self._process([value])
                 elif kind == _END:
                     self._aborted_by_client(value)
                 else:
                     raise value
-            if pending:
-                return pending.popleft()
+            if self._pending:
+                return self._take()
 
-    async def _process(self, output: EngineCoreOutput) -> None:
-        result = self._processor.process_outputs((output,))
+    def _take(self) -> RequestOutput:
+        # Outputs that piled up while the caller was busy go out as one, merged as
+        # vLLM's RequestOutputCollector merges them (DELTA: concatenated; otherwise the
+        # newest wins).
+        pending = self._pending
+        out = pending.popleft()
+        while pending:
+            out.add(pending.popleft(), aggregate=self._delta)
+        return out
+
+    async def _process(self, outputs: list[EngineCoreOutput]) -> None:
+        result = self._processor.process_outputs(outputs)
         if result.request_outputs:
             self._pending.extend(result.request_outputs)
         to_abort = result.reqs_to_abort
-        if output.finish_reason is not None or to_abort:
+        if to_abort or any(o.finish_reason is not None for o in outputs):
             # A child finished (by the engine or by a stop string): only then can the
             # whole request have.
             self._check_finished()
@@ -269,3 +286,17 @@ class RequestOutputStream:
         async for output in self:
             last = output
         return last
+
+
+def _drain(stream: RequestStream, batch: list[EngineCoreOutput]) -> None:
+    """Append the outputs already buffered on ``stream`` (no checkpoint, at most
+    ``_MAX_DRAIN``); whatever ends the draining (nothing buffered, the end, an error) was
+    not consumed, so the next receive sees it again."""
+    try:
+        while len(batch) < _MAX_DRAIN:
+            output = stream.receive_nowait()
+            batch.append(output)
+            if output.finish_reason is not None:
+                return
+    except (anyio.WouldBlock, anyio.EndOfStream, TrioVllmError):
+        return
