@@ -225,6 +225,9 @@ def output_cases() -> list[dict[str, Any]]:
                     {"skip_special_tokens": skip, "spaces_between_special_tokens": spaces,
                      "output_kind": 1}, slow=slow,
                 ))
+    for kind in (0, 1, 2):
+        cases.append(_case(f"interval3-k{kind}", ids[:20], {"stream_interval": 3,
+                                                           "output_kind": kind}))
     # Logprobs (sample and prompt), with byte-level tokens that split characters.
     rng = random.Random(7)
     lp_ids = ids[10:30]

@@ -1,8 +1,8 @@
 """``trio-vllm bench ...``: benchmarks that run their anchor in the same run.
 
 Absolute numbers on shared machines are noise; each benchmark measures trio-vllm
-next to a blocking pyzmq anchor (and, for ``firehose``, vLLM's own client) in one
-run and prints ratios. ``--json`` prints one JSON object instead of the table.
+next to a blocking pyzmq anchor (and, for firehose, vLLM's own client) in one
+run and prints ratios. --json prints one JSON object instead of the table.
 
 * ``firehose``: output throughput: raw ceiling, raw API on trio and asyncio,
   per-request streams, vLLM's ``AsyncMPClient`` (with ``--vllm-python``).
@@ -17,12 +17,61 @@ when run.
 
 from __future__ import annotations
 
+import argparse
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import argparse
+    from collections.abc import Callable
 
 __all__ = ["add_parser", "run"]
+
+_BACKENDS = ("trio", "asyncio")
+
+
+# Checked by argparse, so a bad value is a usage error before anything starts.
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _int_list(text: str) -> str:
+    """A comma list of positive integers, returned as given (the benchmarks split it)."""
+    items = [t for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("give at least one value")
+    for item in items:
+        _positive_int(item)
+    return text
+
+
+def _choices(*allowed: str) -> Callable[[str], str]:
+    def check(text: str) -> str:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("give at least one value")
+        bad = [t for t in items if t not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, bad))} (choose from {', '.join(allowed)})"
+            )
+        return ",".join(items)
+
+    return check
 
 
 def add_parser(commands: Any) -> None:
@@ -44,19 +93,21 @@ def add_parser(commands: Any) -> None:
         description=(
             "Reference engine in firehose mode. Cases: (a) blocking pyzmq + decoder, "
             "(b) get_output on trio, (c) on asyncio, (d) per-request streams with C "
-            "consumers on trio, (e) vLLM's AsyncMPClient with --vllm-python. Prints "
-            "outputs/s, messages/s and the ratios b/a, c/a, b/e, d/b."
+            "consumers on trio (f: on asyncio, with --stream-backends trio,asyncio), (e) "
+            "vLLM's AsyncMPClient with --vllm-python. Prints outputs/s, messages/s and "
+            "the ratios b/a, c/a, b/e, d/b (f/c)."
         ),
     )
     fh.add_argument(
         "--batch",
         default="1,64",
+        type=_int_list,
         metavar="B[,B]",
         help="outputs per engine message; comma list (default 1,64)",
     )
     fh.add_argument(
         "--messages",
-        type=int,
+        type=_positive_int,
         default=None,
         metavar="M",
         help="engine messages per case (outputs = M x batch; default 60000 / batch, "
@@ -64,7 +115,7 @@ def add_parser(commands: Any) -> None:
     )
     fh.add_argument(
         "--requests",
-        type=int,
+        type=_positive_int,
         default=8,
         metavar="N",
         help="concurrent requests for cases a, b, c, e (default 8)",
@@ -72,6 +123,7 @@ def add_parser(commands: Any) -> None:
     fh.add_argument(
         "--consumers",
         default="256,4096",
+        type=_int_list,
         metavar="C[,C]",
         help="stream consumers for case d; comma list (default 256,4096)",
     )
@@ -79,8 +131,16 @@ def add_parser(commands: Any) -> None:
         "--vllm-python", metavar="PY", help="a python with vLLM: also measure vLLM's AsyncMPClient"
     )
     fh.add_argument(
+        "--stream-backends",
+        default="trio",
+        type=_choices(*_BACKENDS),
+        metavar="B[,B]",
+        help="backends of the stream cases: d on trio (default), f on asyncio",
+    )
+    fh.add_argument(
         "--mode",
         default="live,backlog",
+        type=_choices("live", "backlog"),
         metavar="M[,M]",
         help="live: read while the engine sends; backlog: drain after the engine sent "
         "everything (the client's own capacity); default live,backlog",
@@ -96,10 +156,11 @@ def add_parser(commands: Any) -> None:
             "sockets. Prints p50/p99 and ratios to the blocking anchor."
         ),
     )
-    lat.add_argument("--rounds", type=int, default=2000, help="round trips per case")
+    lat.add_argument("--rounds", type=_positive_int, default=2000, help="round trips per case")
     lat.add_argument(
         "--backend",
         default="trio,asyncio",
+        type=_choices(*_BACKENDS),
         metavar="B[,B]",
         help="anyio backends, comma list (default trio,asyncio)",
     )
@@ -119,9 +180,15 @@ def add_parser(commands: Any) -> None:
             "without a client and a blocking pyzmq poll on the same engine sockets."
         ),
     )
-    idle.add_argument("--seconds", type=float, default=5.0, help="idle window (default 5)")
-    idle.add_argument("--engines", type=int, default=2, help="engines to open (default 2)")
-    idle.add_argument("--backend", default="trio,asyncio", metavar="B[,B]")
+    idle.add_argument(
+        "--seconds", type=_positive_float, default=5.0, help="idle window (default 5)"
+    )
+    idle.add_argument(
+        "--engines", type=_positive_int, default=2, help="engines to open (default 2)"
+    )
+    idle.add_argument(
+        "--backend", default="trio,asyncio", type=_choices(*_BACKENDS), metavar="B[,B]"
+    )
     common(idle)
 
     st = subs.add_parser(
@@ -133,8 +200,8 @@ def add_parser(commands: Any) -> None:
             "in the same run); and the time open_client takes to exit."
         ),
     )
-    st.add_argument("--rounds", type=int, default=5, help="rounds per case (default 5)")
-    st.add_argument("--backend", default="trio,asyncio", metavar="B[,B]")
+    st.add_argument("--rounds", type=_positive_int, default=5, help="rounds per case (default 5)")
+    st.add_argument("--backend", default="trio,asyncio", type=_choices(*_BACKENDS), metavar="B[,B]")
     common(st)
 
     sy = subs.add_parser(
@@ -146,9 +213,11 @@ def add_parser(commands: Any) -> None:
             "client's event loop. Prints outputs/s, CPU per output and sync/async."
         ),
     )
-    sy.add_argument("--tokens", type=int, default=5000, help="outputs per request")
-    sy.add_argument("--rounds", type=int, default=5, help="rounds per backend (default 5)")
-    sy.add_argument("--backend", default="trio,asyncio", metavar="B[,B]")
+    sy.add_argument("--tokens", type=_positive_int, default=5000, help="outputs per request")
+    sy.add_argument(
+        "--rounds", type=_positive_int, default=5, help="rounds per backend (default 5)"
+    )
+    sy.add_argument("--backend", default="trio,asyncio", type=_choices(*_BACKENDS), metavar="B[,B]")
     common(sy)
 
 

@@ -120,6 +120,20 @@ class _TextDetokenizer(IncrementalDetokenizer):
         """The text that ``next_token_id`` adds (``""`` while a character is incomplete)."""
         raise NotImplementedError
 
+    def _decode_tokens(self, new_token_ids: Sequence[int], offsets: list[int] | None) -> None:
+        """Append the ids and their text; with ``offsets``, the text length after each."""
+        token_ids = self.token_ids
+        decode_next = self.decode_next
+        # Drop our reference while appending: with the local as the only one, CPython
+        # grows the string in place instead of copying the whole text per token.
+        text, self._text = self._text, ""
+        for token_id in new_token_ids:
+            token_ids.append(token_id)
+            text += decode_next(token_id)
+            if offsets is not None:
+                offsets.append(len(text))
+        self._text = text
+
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> str | None:
         if not new_token_ids:
             return None
@@ -128,34 +142,19 @@ class _TextDetokenizer(IncrementalDetokenizer):
             # The EOS/stop token that ended the request is not part of the text.
             skipped_stop_token_id = new_token_ids[-1]
             new_token_ids = new_token_ids[:-1]
-
         token_ids = self.token_ids
         num_prev_tokens = self.num_output_tokens()
         first_new_token_index = len(token_ids)
-        text = self._text
-        decode_next = self.decode_next
-        if not self.stop:
-            for token_id in new_token_ids:
-                token_ids.append(token_id)
-                text += decode_next(token_id)
-            if skipped_stop_token_id is not None:
-                token_ids.append(skipped_stop_token_id)
-            self._text = text
-            return None
-
         # Text offsets at the token boundaries, to trim tokens after a stop string.
-        token_offsets = [len(text)]
-        for token_id in new_token_ids:
-            token_ids.append(token_id)
-            text += decode_next(token_id)
-            token_offsets.append(len(text))
+        token_offsets = [len(self._text)] if self.stop else None
+        self._decode_tokens(new_token_ids, token_offsets)
         if skipped_stop_token_id is not None:
             token_ids.append(skipped_stop_token_id)
-            token_offsets.append(len(text))
-        self._text = text
-
-        if self.num_output_tokens() <= self.min_tokens:
+            if token_offsets is not None:
+                token_offsets.append(len(self._text))
+        if token_offsets is None or self.num_output_tokens() <= self.min_tokens:
             return None
+        text = self._text
         # Only text from tokens past min_tokens may hold a stop string (vllm#22014).
         stop_check_offset = token_offsets[max(self.min_tokens - num_prev_tokens, 0)]
         match = check_stop_strings(
@@ -224,20 +223,72 @@ class FastIncrementalDetokenizer(_TextDetokenizer):
             else:
                 self.spaces_between_special_tokens = True
 
+    def _decode_tokens(self, new_token_ids: Sequence[int], offsets: list[int] | None) -> None:
+        if not self.spaces_between_special_tokens:
+            super()._decode_tokens(new_token_ids, offsets)
+            return
+        # The common case inlined (same result as decode_next per token, fewer calls).
+        append = self.token_ids.append
+        backend = self._backend
+        step = self._step
+        text, self._text = self._text, ""
+        for token_id in new_token_ids:
+            append(token_id)
+            try:
+                piece = step(backend, token_id)
+            except Exception as exc:
+                piece = self._recover(token_id, exc)
+                step = self._step
+            if piece:
+                text += piece
+            if offsets is not None:
+                offsets.append(len(text))
+        self._text = text
+
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> str | None:
+        if self.stop or not self.spaces_between_special_tokens or not new_token_ids:
+            return super().update(new_token_ids, stop_terminated)
+        # No stop strings, plain spacing (the common case): everything inlined.
+        skipped: int | None = None
+        if stop_terminated and not self.include_stop_str_in_output:
+            skipped = new_token_ids[-1]
+            new_token_ids = new_token_ids[:-1]
+        append = self.token_ids.append
+        backend = self._backend
+        step = self._step
+        text, self._text = self._text, ""
+        for token_id in new_token_ids:
+            append(token_id)
+            try:
+                piece = step(backend, token_id)
+            except Exception as exc:
+                piece = self._recover(token_id, exc)
+                step = self._step
+            if piece:
+                text += piece
+        if skipped is not None:
+            append(skipped)
+        self._text = text
+        return None
+
+    def _recover(self, next_token_id: int, exc: Exception) -> str | None:
+        if isinstance(exc, (OverflowError, TypeError)):
+            # vLLM logs and emits nothing for such an id (vllm#21951).
+            return None
+        if not str(exc).startswith(INVALID_PREFIX_ERR_MSG):
+            raise exc
+        # The stream's state broke (non-monotonic UTF-8 output): start a fresh stream,
+        # without the prompt, as vLLM does (vllm#17448).
+        self._stream = self._stream_class(skip_special_tokens=self.skip_special_tokens)
+        self._step = self._stream.step
+        piece: str | None = self._step(self._backend, next_token_id)
+        return piece
+
     def decode_next(self, next_token_id: int) -> str:
         try:
             token = self._step(self._backend, next_token_id)
-        except (OverflowError, TypeError):
-            # vLLM logs and emits nothing for such an id (vllm#21951).
-            token = None
         except Exception as exc:
-            if not str(exc).startswith(INVALID_PREFIX_ERR_MSG):
-                raise
-            # The stream's state broke (non-monotonic UTF-8 output): start a fresh stream,
-            # without the prompt, as vLLM does (vllm#17448).
-            self._stream = self._stream_class(skip_special_tokens=self.skip_special_tokens)
-            self._step = self._stream.step
-            token = self._step(self._backend, next_token_id)
+            token = self._recover(next_token_id, exc)
         if not self.spaces_between_special_tokens:
             special_token = self._added_token_ids.get(next_token_id)
             is_special = special_token is not None

@@ -118,6 +118,8 @@ class RequestState:
         self.parent_req = parent_req
         self.request_index = request_index
         self.output_kind = params.output_kind
+        self._delta = params.output_kind == RequestOutputKind.DELTA
+        self._final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         self.prompt = prompt
         self.prompt_token_ids = request.prompt_token_ids
         if not params.detokenize:
@@ -128,6 +130,9 @@ class RequestState:
         )
         self.is_prefilling = True
         self.num_cached_tokens = 0
+        # vLLM's stream_interval (the engine-level default is 1): outputs every N tokens.
+        self.stream_interval = max(params.stream_interval or 1, 1)
+        self.sent_tokens_offset = 0
 
     def make_request_output(
         self,
@@ -137,56 +142,56 @@ class RequestState:
     ) -> RequestOutput | None:
         """The output for the caller after one engine output (``None``: nothing to say)."""
         finished = finish_reason is not None
-        if not finished and self.output_kind == RequestOutputKind.FINAL_ONLY:
+        if not finished and self._final_only:
             return None
-        output = self._new_completion_output(new_token_ids, finish_reason, stop_reason)
+        delta = self._delta
+        detokenizer = self.detokenizer
+        if self.stream_interval > 1:
+            if not (
+                finished
+                or self.sent_tokens_offset == 0
+                or detokenizer.num_output_tokens() - self.sent_tokens_offset
+                >= self.stream_interval
+            ):
+                return None
+            if delta:
+                new_token_ids = detokenizer.output_token_ids[self.sent_tokens_offset :]
+                self.sent_tokens_offset = detokenizer.num_output_tokens()
+        # The completion (vLLM's _new_completion_output), built positionally: this runs
+        # once per token per request.
+        text = detokenizer.get_next_output_text(finished, delta)
+        token_ids = new_token_ids if delta else list(detokenizer.output_token_ids)
+        lp = self.logprobs_processor
+        logprobs = lp.logprobs
+        if logprobs is not None:
+            if delta:
+                logprobs = logprobs[-len(token_ids) :] if token_ids else []
+            else:
+                logprobs = list(logprobs)
+        if finished:
+            output = CompletionOutput(self.request_index, text, token_ids,
+                                      lp.cumulative_logprob, logprobs, str(finish_reason),
+                                      stop_reason)
+        else:
+            output = CompletionOutput(self.request_index, text, token_ids,
+                                      lp.cumulative_logprob, logprobs)
         external_req_id = self.external_req_id
-        if self.parent_req is None:
+        parent = self.parent_req
+        if parent is None:
             outputs = [output]
         else:
-            outputs, finished = self.parent_req.get_outputs(self.request_id, output)
+            outputs, finished = parent.get_outputs(self.request_id, output)
             if not outputs:
                 return None
-            external_req_id = self.parent_req.external_req_id
-        if self.output_kind == RequestOutputKind.DELTA:
-            prompt_logprobs = self.logprobs_processor.pop_prompt_logprobs()
+            external_req_id = parent.external_req_id
+        if lp.prompt_logprobs is None:
+            prompt_logprobs = None
+        elif delta:
+            prompt_logprobs = lp.pop_prompt_logprobs()
         else:
-            prompt_logprobs = self.logprobs_processor.prompt_logprobs
-        return RequestOutput(
-            request_id=external_req_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=prompt_logprobs,
-            outputs=outputs,
-            finished=finished,
-            num_cached_tokens=self.num_cached_tokens,
-        )
-
-    def _new_completion_output(
-        self,
-        token_ids: list[int],
-        finish_reason: FinishReason | None,
-        stop_reason: int | str | None,
-    ) -> CompletionOutput:
-        finished = finish_reason is not None
-        delta = self.output_kind == RequestOutputKind.DELTA
-        text = self.detokenizer.get_next_output_text(finished, delta)
-        if not delta:
-            token_ids = list(self.detokenizer.output_token_ids)
-        logprobs = self.logprobs_processor.logprobs
-        if delta and logprobs:
-            logprobs = logprobs[-len(token_ids) :] if token_ids else []
-        elif logprobs is not None:
-            logprobs = list(logprobs)
-        return CompletionOutput(
-            index=self.request_index,
-            text=text,
-            token_ids=token_ids,
-            cumulative_logprob=self.logprobs_processor.cumulative_logprob,
-            logprobs=logprobs,
-            finish_reason=str(finish_reason) if finished else None,
-            stop_reason=stop_reason if finished else None,
-        )
+            prompt_logprobs = lp.prompt_logprobs
+        return RequestOutput(external_req_id, self.prompt, self.prompt_token_ids,
+                             prompt_logprobs, outputs, finished, self.num_cached_tokens)
 
 
 @dataclass
@@ -244,42 +249,47 @@ class OutputProcessor:
         requests are ignored. A request whose stop string matched is finished here
         (``finish_reason="stop"``, ``stop_reason`` the string) and listed in
         ``reqs_to_abort`` when the engine had not finished it itself."""
-        result = OutputProcessorOutput()
+        request_outputs: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
+        states = self.request_states
+        stop = FinishReason.STOP
         for eco in engine_core_outputs:
             req_id = eco.request_id
-            state = self.request_states.get(req_id)
+            state = states.get(req_id)
             if state is None:
                 continue
             new_token_ids = eco.new_token_ids
-            finish_reason = eco.finish_reason
+            engine_finish = finish_reason = eco.finish_reason
             stop_reason = eco.stop_reason
             if state.is_prefilling:
                 if eco.prefill_stats is not None:
                     state.num_cached_tokens = eco.prefill_stats.num_cached_tokens
                 state.is_prefilling = False
-            num_prev_tokens = state.detokenizer.num_output_tokens()
-            stop_string = state.detokenizer.update(
-                new_token_ids, finish_reason == FinishReason.STOP
+            detokenizer = state.detokenizer
+            num_prev_tokens = len(detokenizer.token_ids)
+            stop_string = detokenizer.update(
+                new_token_ids, finish_reason is not None and finish_reason == stop
             )
             if stop_string:
-                finish_reason = FinishReason.STOP
+                finish_reason = stop
                 stop_reason = stop_string
-                num_kept = state.detokenizer.num_output_tokens() - num_prev_tokens
+                num_kept = len(detokenizer.token_ids) - num_prev_tokens
                 if num_kept < len(new_token_ids):
                     # Tokens after the stop string (several in one step): not ours to show.
                     new_token_ids = new_token_ids[:num_kept]
                     if eco.new_logprobs is not None:
                         eco = _with_sliced_logprobs(eco, num_kept)
-            state.logprobs_processor.update_from_output(eco)
+            if eco.new_logprobs is not None or eco.new_prompt_logprobs_tensors is not None:
+                state.logprobs_processor.update_from_output(eco)
             request_output = state.make_request_output(new_token_ids, finish_reason, stop_reason)
             if request_output is not None:
-                result.request_outputs.append(request_output)
+                request_outputs.append(request_output)
             if finish_reason is not None:
                 self._finish_request(state)
-                if eco.finish_reason is None:
+                if engine_finish is None:
                     # We stopped it (stop string); the engine is still generating.
-                    result.reqs_to_abort.append(req_id)
-        return result
+                    reqs_to_abort.append(req_id)
+        return OutputProcessorOutput(request_outputs, reqs_to_abort)
 
     def abort_requests(
         self, request_ids: Iterable[str], *, internal: bool
