@@ -36,8 +36,13 @@ def test_prompt_forms(inp: InputProcessor, tiny: Tokenizer) -> None:
     ("prompt", "message"),
     [
         ([], "cannot be empty"),
-        (list(range(5, 37)), "maximum context length is 32"),  # 32 tokens: no room to generate
-        (list(range(5, 45)), "longer than the maximum model length of 32"),
+        (list(range(5, 37)),  # 32 tokens: no room to generate
+         "The decoder prompt (length 32) plus the number of requested output tokens (at least"
+         " 1) is longer than the maximum model length of 32."),
+        (list(range(5, 45)), "This model's maximum context length is 32 tokens. However, your "
+         "prompt contains 40 input tokens, which exceeds this limit even without any output"),
+        ("hello " * 40, "your prompt contains at least 33 input tokens"),
+        ("x" * 100_000, "your prompt contains 100000 characters"),
         ([5, 512], "Token id 512 is out of vocabulary"),
         ([-1, 5], "Token id -1 is out of vocabulary"),
         ([5, "6"], "ints only"),

@@ -103,11 +103,18 @@ def test_directory_without_tokenizer_json_needs_transformers(
 
 
 def test_unknown_model_name_is_not_found_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("huggingface_hub")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE"):
         resolve_model_dir("no-such-org/no-such-model-trio-vllm")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_model_dir("/no/such/dir")
+
+
+def test_hub_names_need_huggingface_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    with pytest.raises(FileNotFoundError, match="huggingface_hub is not installed"):
+        resolve_model_dir("some-org/some-model")
 
 
 class _FakeSlowTokenizer:

@@ -158,9 +158,13 @@ def render_chat_template(
     tools: Sequence[Mapping[str, Any]] | None = None,
     documents: Sequence[Mapping[str, Any]] | None = None,
     chat_template_kwargs: Mapping[str, object] | None = None,
+    continue_final_message: bool = False,
 ) -> str:
     """The prompt text of a conversation (the model's template unless ``chat_template``).
 
+    ``continue_final_message`` (also accepted in ``chat_template_kwargs``, as vLLM passes
+    it) ends the text inside the last message instead of closing it, so generation
+    continues that message (transformers' rule; not with ``add_generation_prompt``).
     Raises :class:`~trio_vllm.InvalidRequestError` when there is no template, a message is
     malformed, or the template raises (``raise_exception``: its message is kept).
     """
@@ -178,7 +182,25 @@ def render_chat_template(
     for reserved in ("chat_template", "tokenize"):
         if reserved in kwargs:
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved!r}")
+    continue_final_message = bool(kwargs.pop("continue_final_message", continue_final_message))
+    if "add_generation_prompt" in kwargs:
+        add_generation_prompt = bool(kwargs.pop("add_generation_prompt"))
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError(
+            "Cannot set both continue_final_message and add_generation_prompt to True."
+        )
     conversation = normalize_messages(messages)
+    final_message = ""
+    if continue_final_message:
+        if not conversation:
+            raise InvalidRequestError("continue_final_message needs a final message")
+        if "content" not in template:
+            raise InvalidRequestError(
+                'continue_final_message is set to "content" but this is not an accepted '
+                "field in the chat_template"
+            )
+        final_message = conversation[-1]["content"]
+        conversation[-1]["content"] = final_message + _CONTINUE_TAG
     compiled = _compile(template)
     context: dict[str, Any] = dict(tokenizer.special_tokens_map) if tokenizer else {}
     context.update(kwargs)
@@ -189,6 +211,23 @@ def render_chat_template(
         add_generation_prompt=add_generation_prompt,
     )
     try:
-        return compiled.render(**context)
+        rendered = compiled.render(**context)
     except jinja2.TemplateError as exc:
         raise InvalidRequestError(str(exc)) from exc
+    if not continue_final_message:
+        return rendered
+    # transformers: cut the text where the tag ended up, i.e. right after the final
+    # message's content (keeping its trailing spaces when the template kept the tag's).
+    tag = _CONTINUE_TAG.strip()
+    if final_message.strip() not in rendered or tag not in rendered:
+        raise InvalidRequestError(
+            "continue_final_message is set but the final message does not appear in the chat "
+            "after applying the chat template"
+        )
+    tag_loc = rendered.rindex(tag)
+    if rendered[tag_loc : tag_loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:tag_loc]
+    return rendered[:tag_loc].rstrip()
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "

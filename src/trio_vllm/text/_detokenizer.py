@@ -187,12 +187,22 @@ class _TextDetokenizer(IncrementalDetokenizer):
         return ""
 
 
+_DECODE_STREAM: list[Any] = []
+
+
 def _decode_stream_class() -> Any:
-    try:
-        from tokenizers.decoders import DecodeStream
-    except ImportError:  # tokenizers < 0.21
-        return None
-    return DecodeStream
+    """``tokenizers.decoders.DecodeStream`` if it takes a prompt prefix (``ids=``), else
+    ``None`` (tokenizers without it get the slow path)."""
+    if not _DECODE_STREAM:
+        try:
+            from tokenizers.decoders import DecodeStream
+
+            DecodeStream(ids=[], skip_special_tokens=False)
+        except (ImportError, TypeError):  # tokenizers < 0.21, or without the prefix
+            _DECODE_STREAM.append(None)
+        else:
+            _DECODE_STREAM.append(DecodeStream)
+    return _DECODE_STREAM[0]
 
 
 class FastIncrementalDetokenizer(_TextDetokenizer):

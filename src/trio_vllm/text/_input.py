@@ -142,17 +142,18 @@ class InputProcessor:
         """
         text: str | None
         given: object = prompt  # callers from JSON may pass anything
+        encoded = False
         if isinstance(given, str):
-            text = given
-            ids = self._require_tokenizer("a text prompt").encode(given, add_special_tokens=True)
+            text, encoded = given, True
+            ids = self._encode_prompt_text(given)
         elif isinstance(given, Mapping):
             if "prompt_token_ids" in given:
                 ids = _as_token_ids(given["prompt_token_ids"])
                 value = given.get("prompt")
                 text = value if isinstance(value, str) else None
             elif isinstance(given.get("prompt"), str):
-                text = str(given["prompt"])
-                ids = self._require_tokenizer("a text prompt").encode(text, add_special_tokens=True)
+                text, encoded = str(given["prompt"]), True
+                ids = self._encode_prompt_text(text)
             else:
                 raise InvalidRequestError(
                     "a prompt dict needs 'prompt' (text) or 'prompt_token_ids'"
@@ -164,8 +165,22 @@ class InputProcessor:
                 f"a prompt must be text, a list of token ids or a prompt dict, "
                 f"not {type(prompt).__name__}"
             )
-        self.validate_prompt_ids(ids)
+        self.validate_prompt_ids(ids, from_text=encoded)
         return text, ids
+
+    def _encode_prompt_text(self, text: str) -> list[int]:
+        tokenizer = self._require_tokenizer("a text prompt")
+        # vLLM refuses, before tokenizing, a text longer than max_model_len tokens of the
+        # longest vocabulary piece could be.
+        max_chars = self.max_model_len * tokenizer.max_chars_per_token
+        if len(text) > max_chars:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your prompt contains {len(text)} characters (more than "
+                f"{max_chars} characters, which is the upper bound for {self.max_model_len} "
+                f"input tokens). Please reduce the length of the input prompt."
+            )
+        return tokenizer.encode(text, add_special_tokens=True)
 
     def render_chat(
         self,
@@ -188,20 +203,27 @@ class InputProcessor:
         self.validate_prompt_ids(ids)
         return text, ids
 
-    def validate_prompt_ids(self, ids: Sequence[int]) -> None:
+    def validate_prompt_ids(self, ids: Sequence[int], *, from_text: bool = False) -> None:
         """vLLM's prompt checks: not empty, shorter than ``max_model_len`` (room for one
-        token), every id inside the vocabulary."""
+        token), every id inside the vocabulary. ``from_text``: the ids are a text prompt's
+        (vLLM tokenizes those to at most ``max_model_len + 1`` tokens, and says so)."""
         n = len(ids)
+        max_len = self.max_model_len
         if n == 0:
             raise InvalidRequestError("The decoder prompt cannot be empty")
-        if n >= self.max_model_len:
-            longer = "is longer than" if n > self.max_model_len else (
-                "plus the number of requested output tokens (at least 1) is longer than"
-            )
+        if n > max_len:
+            count = f"at least {max_len + 1}" if from_text else str(n)
             raise InvalidRequestError(
-                f"The decoder prompt (length {n}) {longer} the maximum model length of "
-                f"{self.max_model_len}. This model's maximum context length is "
-                f"{self.max_model_len} tokens."
+                f"This model's maximum context length is {max_len} tokens. However, your "
+                f"prompt contains {count} input tokens, which exceeds this limit even "
+                f"without any output tokens. Please reduce the length of the input prompt."
+            )
+        if n == max_len:
+            raise InvalidRequestError(
+                f"The decoder prompt (length {n}) plus the number of requested output tokens "
+                f"(at least 1) is longer than the maximum model length of {max_len}. Make "
+                f"sure that `max_model_len` is no smaller than the number of text tokens "
+                f"(prompt + requested output tokens)."
             )
         lo, hi = min(ids), max(ids)
         if lo < 0:

@@ -292,7 +292,7 @@ class Tokenizer:
     @classmethod
     def _from_transformers(cls, files: ModelFiles, chat_template: str | None) -> Tokenizer:
         try:
-            from transformers import AutoTokenizer  # type: ignore[import-not-found]
+            from transformers import AutoTokenizer
         except ImportError:
             raise FileNotFoundError(
                 f"{files.path} has no tokenizer.json; loading its tokenizer needs the optional "
@@ -319,6 +319,16 @@ class Tokenizer:
 
     def __len__(self) -> int:
         return self._len
+
+    @property
+    def max_chars_per_token(self) -> int:
+        """The longest vocabulary piece, in characters (vLLM's bound for prompt text)."""
+        value = self.__dict__.get("_max_chars")
+        if value is None:
+            vocab = (self.backend.get_vocab(with_added_tokens=True) if self.backend is not None
+                     else self._hf.get_vocab())
+            value = self.__dict__["_max_chars"] = max((len(t) for t in vocab), default=1)
+        return int(value)
 
     def _named_id(self, name: str) -> int | None:
         token = self.special_tokens_map.get(name)
