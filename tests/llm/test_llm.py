@@ -251,7 +251,7 @@ async def test_prompt_longer_than_the_context() -> None:
     async with open_llm(engines) as llm:
         assert llm.max_model_len == 8
         assert (await llm.generate_final("1234567", greedy())).outputs[0].text == "1"
-        with pytest.raises(tv.InvalidRequestError, match="maximum context length"):
+        with pytest.raises(tv.InvalidRequestError, match="maximum model length of 8"):
             llm.generate("12345678")
         assert llm.num_requests == 0
 
