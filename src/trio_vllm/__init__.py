@@ -65,6 +65,8 @@ if TYPE_CHECKING:
     from .client._inproc import InprocEngine as InprocEngine
     from .llm import LLM as LLM
     from .llm import RequestOutputStream as RequestOutputStream
+    from .llm import SyncLLM as SyncLLM
+    from .llm import SyncRequestOutputStream as SyncRequestOutputStream
     from .llm import open_llm as open_llm
     from .sync import SyncClient as SyncClient
     from .sync import SyncRequestStream as SyncRequestStream
@@ -95,6 +97,8 @@ _LAZY: dict[str, str] = {
     "SyncRequestStream": ".sync",
     "LLM": ".llm",
     "RequestOutputStream": ".llm",
+    "SyncLLM": ".llm",
+    "SyncRequestOutputStream": ".llm",
     "open_llm": ".llm",
     "CompletionOutput": ".text",
     "Logprob": ".text",

@@ -10,5 +10,7 @@ from __future__ import annotations
 from ._llm import LLM as LLM
 from ._llm import open_llm as open_llm
 from ._stream import RequestOutputStream as RequestOutputStream
+from ._sync import SyncLLM as SyncLLM
+from ._sync import SyncRequestOutputStream as SyncRequestOutputStream
 
-__all__ = ["LLM", "RequestOutputStream", "open_llm"]
+__all__ = ["LLM", "RequestOutputStream", "SyncLLM", "SyncRequestOutputStream", "open_llm"]
