@@ -77,3 +77,18 @@ def test_bad_model_dir_fails_before_any_engine_starts(tmp_path: Any) -> None:
     ):
         pass  # pragma: no cover
     assert MODEL_DIR  # the default needs no model argument
+
+
+def test_importing_the_frontend_loads_no_tokenizer_library() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, trio_vllm, trio_vllm.llm\n"
+        "trio_vllm.open_llm, trio_vllm.SyncLLM\n"
+        "print(','.join(m for m in ('tokenizers', 'jinja2', 'torch') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == ""
