@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, TypeVar, final
@@ -176,12 +177,16 @@ class SyncLLM:
         client.__enter__()
         try:
             self._loop_thread_id = client.portal.call(threading.get_ident)
-            self._llm = LLM(
-                client.async_client,
-                model=self._model,
-                served_model_name=self._served_model_name,
-                files=files,
-                tokenizer=tokenizer,
+            # Built in the loop thread, which owns the client it reads.
+            self._llm = client.portal.call(
+                functools.partial(
+                    LLM,
+                    client.async_client,
+                    model=self._model,
+                    served_model_name=self._served_model_name,
+                    files=files,
+                    tokenizer=tokenizer,
+                )
             )
         except BaseException:
             client.close()
