@@ -253,6 +253,21 @@ def output_cases(model: str = TINY_LLAMA) -> list[dict[str, Any]]:
         if i == 0:
             step[0]["prompt_logprobs"] = _logprob_rows(rng, prompt[1:], 0, vocab)
     cases.append(delta)
+    # Chunked prefill: prompt logprobs in two parts, the first with no new token yet.
+    long_prompt = tok.encode("A longer prompt, so that its logprobs come in two chunks: ok")
+    for kind in (0, 1):
+        chunked = _case(f"prompt-lp-chunks-k{kind}", lp_ids[:6],
+                        {"prompt_logprobs": 2, "logprobs": 1, "output_kind": kind},
+                        prompt_ids=long_prompt)
+        rows = _logprob_rows(rng, long_prompt[1:], 2, vocab)
+        half = len(long_prompt[1:]) // 2
+        first = {k: v[:half] for k, v in rows.items()}
+        second = {k: v[half:] for k, v in rows.items()}
+        chunked["steps"][0][0]["prompt_logprobs"] = second
+        for step in chunked["steps"]:
+            step[0]["logprobs"] = _logprob_rows(rng, step[0]["new_token_ids"], 1, vocab)
+        chunked["steps"].insert(0, [{"child": 0, "new_token_ids": [], "prompt_logprobs": first}])
+        cases.append(chunked)
     # n = 2 with a seed: children interleaved, child 1 finishes first.
     for kind in (0, 1, 2):
         base = _case(f"n2-k{kind}", ids, {"n": 2, "seed": 42, "temperature": 0.8,
@@ -360,6 +375,7 @@ def inputs_case() -> dict[str, Any]:
 def chat_parse_case() -> dict[str, Any]:
     return {"kind": "chat_parse", "model": TINY_LLAMA, "messages": [
         {"role": "system", "content": "sys"},
+        {"role": "developer", "content": "dev", "tools": [{"type": "function"}]},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
          "name": "bob"},
         {"role": "assistant", "content": None, "extra": 1, "tool_calls": [

@@ -153,8 +153,10 @@ def test_invalid_prefix_resets_the_stream(tiny: Tokenizer, monkeypatch: pytest.M
         raise RuntimeError("something else")
 
     monkeypatch.setattr(d, "_step", other)
+    before = d.output_text
     with pytest.raises(RuntimeError, match="something else"):
         d.update(ids, False)
+    assert d.output_text == before  # the text so far survives the error
 
 
 def test_out_of_vocabulary_ids_give_no_text(tiny: Tokenizer, path: str) -> None:

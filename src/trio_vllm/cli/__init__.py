@@ -138,8 +138,12 @@ def _configure_logging(args: argparse.Namespace) -> bool:
     if level is None:
         return False
     handler = logging.StreamHandler(sys.stderr)
+    # On a terminal, clear a progress line (written with \r and no newline) first.
+    clear = "\r\x1b[K" if sys.stderr.isatty() else ""
     handler.setFormatter(
-        logging.Formatter("%(asctime)s.%(msecs)03d %(name)s %(levelname)s: %(message)s", "%H:%M:%S")
+        logging.Formatter(
+            clear + "%(asctime)s.%(msecs)03d %(name)s %(levelname)s: %(message)s", "%H:%M:%S"
+        )
     )
     log = logging.getLogger("trio_vllm")
     log.addHandler(handler)

@@ -47,8 +47,8 @@ _log = logging.getLogger("trio_vllm.client")
 class EngineProcess:
     """One spawned engine (or launcher) process serving ``ranks``.
 
-    Created by :func:`spawn_engine_process`. The owner runs :meth:`watch` in its task
-    group and calls :meth:`stop` (shielded) at the end.
+    Created by `spawn_engine_process`. The owner runs `watch` in its task
+    group and calls `stop` (shielded) at the end.
     """
 
     def __init__(self, process: anyio.abc.Process, *, name: str, ranks: Sequence[int]) -> None:

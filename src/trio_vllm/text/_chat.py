@@ -11,7 +11,9 @@ Messages are normalized as vLLM's "string" content format does for text-only mod
 list of content parts becomes its text parts joined by ``"\\n"``, ``None`` content becomes
 ``""``; ``name``, an assistant's ``tool_calls`` (JSON ``arguments`` parsed into objects)
 and ``reasoning``, and a tool message's ``tool_call_id`` are kept; other keys are dropped.
-The rendered text is tokenized without special tokens (the template writes them).
+A template that does not name the ``developer`` role gets developer messages as system
+messages, merged into one first system message (vLLM's rule). The rendered text is
+tokenized without special tokens (the template writes them).
 jinja2 is imported on first use.
 """
 
@@ -57,7 +59,7 @@ def _text_of_parts(role: str, parts: Sequence[object]) -> str:
     return "\n".join(texts)
 
 
-def normalize_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+def normalize_messages(messages: Sequence[ChatMessage]) -> list[dict[str, object]]:
     """vLLM's conversation for a text-only model (see the module docstring).
 
     Raises :class:`~trio_vllm.InvalidRequestError` for a malformed message.
@@ -65,7 +67,7 @@ def normalize_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     given: object = messages  # callers from JSON may pass anything
     if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
         raise InvalidRequestError("messages must be a list of message objects")
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, object]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise InvalidRequestError(f"messages[{i}] must be an object")
@@ -93,6 +95,8 @@ def normalize_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             msg["tool_call_id"] = message["tool_call_id"]
         if isinstance(message.get("name"), str):
             msg["name"] = message["name"]
+        if role == "developer":
+            msg["tools"] = message.get("tools")
         out.append(msg)
     return out
 
@@ -155,8 +159,8 @@ def render_chat_template(
     tokenizer: Tokenizer | None = None,
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    documents: Sequence[Mapping[str, Any]] | None = None,
+    tools: Sequence[Mapping[str, object]] | None = None,
+    documents: Sequence[Mapping[str, object]] | None = None,
     chat_template_kwargs: Mapping[str, object] | None = None,
     continue_final_message: bool = False,
 ) -> str:
@@ -189,7 +193,12 @@ def render_chat_template(
         raise InvalidRequestError(
             "Cannot set both continue_final_message and add_generation_prompt to True."
         )
-    conversation = normalize_messages(messages)
+    conversation: list[dict[str, Any]] = normalize_messages(messages)
+    if any(m["role"] == "developer" for m in conversation) and not (
+        '"developer"' in template or "'developer'" in template
+    ):
+        # vLLM: a template without the role gets developer messages as one system message.
+        conversation = _developer_to_system(conversation)
     final_message = ""
     if continue_final_message:
         if not conversation:
@@ -231,3 +240,26 @@ def render_chat_template(
 
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _developer_to_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # vLLM's _convert_developer_to_system then _consolidate_system_messages.
+    converted = []
+    for msg in conversation:
+        if msg["role"] == "developer":
+            msg = {k: v for k, v in msg.items() if k != "tools"} | {"role": "system"}
+        converted.append(msg)
+    system_contents: list[str] = []
+    others: list[dict[str, Any]] = []
+    needs_merge = False
+    for i, msg in enumerate(converted):
+        if msg["role"] == "system":
+            if i > 0 or system_contents:
+                needs_merge = True
+            if msg.get("content"):
+                system_contents.append(msg["content"])
+        else:
+            others.append(msg)
+    if not needs_merge:
+        return converted
+    return [{"role": "system", "content": "\n\n".join(system_contents)}, *others]

@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_MAX_LOGPROBS", "InputProcessor", "ProcessedRequest", "random_uuid"]
 
+# Appended to vLLM's text for a prompt of exactly max_model_len tokens, so every too-long
+# refusal names the context length (the contract servers rely on).
+_CONTEXT_SUFFIX: Final = " This model's maximum context length is {} tokens."
+
 #: vLLM's default ``--max-logprobs``.
 DEFAULT_MAX_LOGPROBS: Final = 20
 _MASK_64: Final = (1 << 64) - 1
@@ -93,8 +97,8 @@ class InputProcessor:
         *,
         max_model_len: int,
         vocab_size: int | None = None,
-        generation_config: Mapping[str, Any] | None = None,
-        sampling_defaults: Mapping[str, Any] | None = None,
+        generation_config: Mapping[str, object] | None = None,
+        sampling_defaults: Mapping[str, object] | None = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ) -> None:
         if max_model_len < 1:
@@ -104,8 +108,8 @@ class InputProcessor:
         if vocab_size is None and tokenizer is not None:
             vocab_size = tokenizer.max_token_id + 1
         self.vocab_size = vocab_size
-        self.generation_config = dict(generation_config or {})
-        self.sampling_defaults = dict(sampling_defaults or {})
+        self.generation_config: dict[str, Any] = dict(generation_config or {})
+        self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
         self.max_logprobs = max_logprobs
 
     @classmethod
@@ -189,7 +193,7 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> tuple[str, list[int]]:
         """``(prompt text, token ids)`` of a conversation (see ``render_chat_template``);
         the text is encoded without adding special tokens, as vLLM's chat path does."""
@@ -223,7 +227,7 @@ class InputProcessor:
                 f"The decoder prompt (length {n}) plus the number of requested output tokens "
                 f"(at least 1) is longer than the maximum model length of {max_len}. Make "
                 f"sure that `max_model_len` is no smaller than the number of text tokens "
-                f"(prompt + requested output tokens)."
+                f"(prompt + requested output tokens).{_CONTEXT_SUFFIX.format(max_len)}"
             )
         lo, hi = min(ids), max(ids)
         if lo < 0:
@@ -369,16 +373,25 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        **kwargs: Any,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        data_parallel_rank: int | None = None,
+        cache_salt: str | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> ProcessedRequest:
         """:meth:`process_inputs` for a conversation rendered with the chat template."""
+        _check_request_id(request_id)
         text, ids = self.render_chat(
             messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs, tools=tools,
         )
-        _check_request_id(request_id)
-        return self._build(request_id, text, ids, params, **kwargs)
+        return self._build(
+            request_id, text, ids, params, arrival_time=arrival_time, lora_request=lora_request,
+            priority=priority, data_parallel_rank=data_parallel_rank, cache_salt=cache_salt,
+            trace_headers=trace_headers,
+        )
 
     def _build(
         self,
@@ -449,7 +462,7 @@ def _as_token_ids(raw: object) -> list[int]:
 
 
 def _update_from_generation_config(
-    p: SamplingParams, generation_config: Mapping[str, Any], eos_token_id: int | None
+    p: SamplingParams, generation_config: Mapping[str, object], eos_token_id: int | None
 ) -> None:
     # vLLM's SamplingParams.update_from_generation_config, set operations and all (the
     # order of the resulting stop_token_ids list is the set's, as in vLLM).
@@ -458,9 +471,12 @@ def _update_from_generation_config(
     if eos_token_id is not None:
         p._all_stop_token_ids.add(eos_token_id)
     eos_ids = generation_config.get("eos_token_id")
-    if eos_ids is None:
+    if isinstance(eos_ids, int):
+        eos_set = {eos_ids}
+    elif isinstance(eos_ids, (list, tuple, set)):
+        eos_set = {int(i) for i in eos_ids}
+    else:
         return
-    eos_set = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids)
     if eos_token_id is not None:
         eos_set.discard(eos_token_id)
     if eos_set:
