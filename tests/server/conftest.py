@@ -5,8 +5,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 import trio_vllm as tv
+from trio_vllm.llm import LLM, open_llm
 
-from ._fake import FakeLLM
 from ._util import Served, serving
 
 if TYPE_CHECKING:
@@ -20,14 +20,14 @@ def engine_args() -> list[str]:
 
 
 @pytest.fixture
-async def frontend(engine_args: list[str]) -> AsyncIterator[FakeLLM]:
-    async with tv.open_client(
-        tv.ReferenceEngines(1, model="echo", extra_args=engine_args)
-    ) as client:
-        yield FakeLLM(client)
+async def frontend(engine_args: list[str]) -> AsyncIterator[LLM]:
+    """The real text frontend on one reference engine (echo model, the shipped
+    byte-level model directory)."""
+    async with open_llm(tv.ReferenceEngines(1, model="echo", extra_args=engine_args)) as llm:
+        yield llm
 
 
 @pytest.fixture
-async def served(frontend: FakeLLM) -> AsyncIterator[Served]:
+async def served(frontend: LLM) -> AsyncIterator[Served]:
     async with serving(frontend) as s:
         yield s

@@ -42,6 +42,7 @@ class _Subcommand(NamedTuple):
 _SUBCOMMANDS: tuple[_Subcommand, ...] = (
     _Subcommand("._wire"),
     _Subcommand("._generate", "add_generate_parser", "run_generate"),
+    _Subcommand("._serve"),
     _Subcommand("._bench"),
 )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from ._app import DEFAULT_MAX_BODY_BYTES as DEFAULT_MAX_BODY_BYTES
 from ._app import OpenAIServer as OpenAIServer
 from ._frontend import TextFrontend as TextFrontend
+from ._run import run_openai_server as run_openai_server
 from ._serve import DEFAULT_SHUTDOWN_GRACE as DEFAULT_SHUTDOWN_GRACE
 from ._serve import serve_app as serve_app
 
@@ -20,5 +21,6 @@ __all__ = [
     "DEFAULT_SHUTDOWN_GRACE",
     "OpenAIServer",
     "TextFrontend",
+    "run_openai_server",
     "serve_app",
 ]

@@ -1,0 +1,143 @@
+"""``trio-vllm serve``'s body: engines, text frontend, app, signals, the death policy."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ._app import DEFAULT_MAX_BODY_BYTES, OpenAIServer
+from ._serve import DEFAULT_SHUTDOWN_GRACE, serve_app
+
+if TYPE_CHECKING:
+    import os
+    from collections.abc import Mapping, Sequence
+
+    from anyio.abc import TaskStatus
+
+    from ..client import EngineSource
+    from ._frontend import TextFrontend
+
+__all__ = ["run_openai_server"]
+
+logger = logging.getLogger("trio_vllm.server")
+
+
+async def run_openai_server(
+    engines: EngineSource | Sequence[EngineSource],
+    *,
+    model: str | os.PathLike[str] | None,
+    served_model_names: Sequence[str] | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_keys: Sequence[str] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
+    keep_serving_on_engine_death: bool = False,
+    handle_signals: bool = True,
+    access_log: bool = False,
+    client_options: Mapping[str, Any] | None = None,
+    stop: anyio.Event | None = None,
+    task_status: TaskStatus[OpenAIServer] = anyio.TASK_STATUS_IGNORED,
+) -> int:
+    """Start the engines, the text frontend and the HTTP server; return an exit status.
+
+    Returns 0 after a requested shutdown (SIGTERM, SIGINT, or ``stop`` set): the server
+    stops accepting, running requests get ``shutdown_grace`` seconds, then the engines
+    are stopped (a request during startup just stops the startup). Returns 1 when the
+    engines die: every open stream ends with an error event, then the server shuts
+    down the same way, so a supervisor restarts it; with ``keep_serving_on_engine_death``
+    it keeps serving instead (``/health`` 503, every generation request 503) until asked
+    to stop. ``task_status.started(app)`` hands out the app once it listens
+    (``app.port`` is the bound port).
+
+    Raises:
+        EngineStartupError: the engines did not start.
+        OSError: the address could not be bound.
+    """
+    from ..llm import open_llm
+
+    shutdown = anyio.Event()
+    exit_code = 0
+    serving = False
+
+    async def watch_signals() -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                logger.info(
+                    "%s: no new connections; running requests may take %.0f s",
+                    signal.Signals(signum).name,
+                    shutdown_grace,
+                )
+                shutdown.set()
+
+    async def watch_stop(event: anyio.Event) -> None:
+        await event.wait()
+        shutdown.set()
+
+    async def stop_startup(scope: anyio.CancelScope) -> None:
+        await shutdown.wait()
+        if not serving:  # still starting: stop that (open_llm stops the engines)
+            scope.cancel()
+
+    async with anyio.create_task_group() as outer:
+        if handle_signals and threading.current_thread() is threading.main_thread():
+            outer.start_soon(watch_signals)
+        if stop is not None:
+            outer.start_soon(watch_stop, stop)
+        outer.start_soon(stop_startup, outer.cancel_scope)
+        async with open_llm(
+            engines,
+            model=model,
+            served_model_name=served_model_names[0] if served_model_names else None,
+            **dict(client_options or {}),
+        ) as llm:
+            frontend: TextFrontend = llm
+            app = OpenAIServer(
+                frontend,
+                served_model_names=served_model_names,
+                api_keys=api_keys,
+                max_body_bytes=max_body_bytes,
+                model_root=None if model is None else str(model),
+            )
+
+            async def watch_engines() -> None:
+                nonlocal exit_code
+                error = await frontend.client.wait_dead()
+                app.mark_dead()
+                if keep_serving_on_engine_death:
+                    logger.error("engines died (%s); serving on with /health 503", error)
+                    return
+                logger.error("engines died (%s); shutting down with exit status 1", error)
+                exit_code = 1
+                shutdown.set()
+
+            served = anyio.Event()
+
+            async def serve(*, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
+                try:
+                    await serve_app(
+                        app,
+                        host=host,
+                        port=port,
+                        shutdown_trigger=shutdown.wait,
+                        graceful_timeout=shutdown_grace,
+                        access_log=access_log,
+                        task_status=task_status,
+                    )
+                finally:
+                    served.set()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch_engines)
+                app.port = await tg.start(serve)
+                serving = True
+                logger.info("serving %s on http://%s:%d", app.model_names[0], host, app.port)
+                task_status.started(app)
+                await served.wait()  # hypercorn returned: drained (or cancelled), closed
+                tg.cancel_scope.cancel()
+        outer.cancel_scope.cancel()
+    return exit_code
