@@ -328,14 +328,15 @@ class OpenAIServer:
         self._next += 1
         self._open[key] = _Open(kind, plan.request_id, received)
         self.metrics.request_started()
+        outcome = _Outcome()
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_watch_disconnect, receive, tg.cancel_scope)
+                tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, outcome)
                 try:
-                    return await self._run(kind, plan, send, received)
+                    await self._run(kind, plan, send, received, outcome)
                 finally:
                     tg.cancel_scope.cancel()
-            return 0  # cancelled by a disconnect: nobody to answer
+            return outcome.status  # 0 after a disconnect: nobody to answer
         finally:
             del self._open[key]
             self.metrics.request_ended()
@@ -350,7 +351,10 @@ class OpenAIServer:
             param="model",
         )
 
-    async def _run(self, kind: str, plan: GenerationPlan, send: ASGISend, received: float) -> int:
+    async def _run(
+        self, kind: str, plan: GenerationPlan, send: ASGISend, received: float, outcome: _Outcome
+    ) -> None:
+        """Generate and answer; ``outcome`` is marked complete before the last send."""
         tokenizer = self.llm.tokenizer
         responder: CompletionResponder | ChatResponder = (
             CompletionResponder(plan, tokenizer, self.fingerprint)
@@ -405,28 +409,49 @@ class OpenAIServer:
             error = _as_http_error(exc)
             if isinstance(exc, EngineDeadError):
                 self.mark_dead()
-            if not started:
-                await send_error(send, error)
-                return error.status
-            body = b"data: " + error.body() + b"\n\n" + DONE
-            await send({"type": "http.response.body", "body": body})
-            return 200
+            await _send_failure(send, error, started, outcome)
+            return
         except Exception:
             logger.exception("error in %s request %s", kind, plan.request_id)
             error = HTTPError("Internal server error", 500, err_type="InternalServerError")
-            if not started:
-                await send_error(send, error)
-                return 500
-            body = b"data: " + error.body() + b"\n\n" + DONE
-            await send({"type": "http.response.body", "body": body})
-            return 200
+            await _send_failure(send, error, started, outcome)
+            return
         timing.finished(responder)
         tail = responder.finish()
+        outcome.done(200)
         if started:
             await send({"type": "http.response.body", "body": tail})
         else:
             await send_bytes(send, 200, tail)
-        return 200
+
+
+class _Outcome:
+    """How a generation request ended: once ``complete`` the response is (being) sent
+    in full, and an ``http.disconnect`` (which ASGI servers also send after a complete
+    response) no longer cancels anything."""
+
+    __slots__ = ("complete", "status")
+
+    def __init__(self) -> None:
+        self.complete = False
+        self.status = 0
+
+    def done(self, status: int) -> None:
+        self.complete = True
+        self.status = status
+
+
+async def _send_failure(
+    send: ASGISend, error: HTTPError, started: bool, outcome: _Outcome
+) -> None:
+    """An error response, or, once streaming, an error event and ``[DONE]``."""
+    if not started:
+        outcome.done(error.status)
+        await send_error(send, error)
+        return
+    outcome.done(200)
+    body = b"data: " + error.body() + b"\n\n" + DONE
+    await send({"type": "http.response.body", "body": body})
 
 
 class _Timing:
@@ -463,12 +488,15 @@ class _Timing:
         )
 
 
-async def _watch_disconnect(receive: ASGIReceive, scope: anyio.CancelScope) -> None:
+async def _watch_disconnect(
+    receive: ASGIReceive, scope: anyio.CancelScope, outcome: _Outcome
+) -> None:
     """Cancel the request's task group as soon as the client disconnects."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            scope.cancel()
+            if not outcome.complete:
+                scope.cancel()
             return
 
 
