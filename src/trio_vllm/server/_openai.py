@@ -327,6 +327,8 @@ def plan_completion(
             text = tokenizer.decode(item, skip_special_tokens=False) if req.echo else ""
         _check_prompt_len(max_model_len, len(ids))
         max_tokens = _max_tokens(max_model_len, req.max_tokens, len(ids), "max_tokens")
+        if req.max_tokens == 0 and not echo_only:
+            raise HTTPError("max_tokens must be at least 1, got 0.", param="max_tokens")
         if max_tokens == 0 and not echo_only:
             _check_prompt_len(max_model_len - 1, len(ids))
         prompts.append({"prompt_token_ids": ids, "prompt": text})
