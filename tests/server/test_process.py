@@ -1,0 +1,237 @@
+"""``trio-vllm serve`` as a process: SIGTERM drains, engine death exits 1, no orphans."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+import anyio
+import httpx
+import pytest
+
+from ._util import raw_request, sse_events
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from anyio.abc import Process
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    # The server under test is its own process (trio); the test side needs one loop only.
+    return "trio"
+
+
+_SERVING = re.compile(rb"serving \S+ on http://127\.0\.0\.1:(\d+)")
+
+
+class _Server:
+    def __init__(self, process: Process) -> None:
+        self.process = process
+        self.port = 0
+        self.stderr = b""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def engine_pids(self) -> list[int]:
+        # Children are listed per thread (engines may be spawned from a worker thread).
+        pids: list[int] = []
+        for task in os.listdir(f"/proc/{self.process.pid}/task"):
+            with open(f"/proc/{self.process.pid}/task/{task}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+        return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def _wait_gone(pid: int, seconds: float) -> None:
+    with anyio.fail_after(seconds):
+        while _alive(pid):  # noqa: ASYNC110 (another process; nothing to wait on)
+            await anyio.sleep(0.05)
+
+
+@asynccontextmanager
+async def cli_server(*args: str, env: dict[str, str] | None = None) -> AsyncIterator[_Server]:
+    """``trio-vllm serve --port 0 ARGS``, up and listening; killed (and its engines
+    checked gone) at the end."""
+    command = [sys.executable, "-m", "trio_vllm.cli", "serve", "--port", "0", *args]
+    process = await anyio.open_process(
+        command, env={**os.environ, **(env or {})}, stdin=None, stdout=None
+    )
+    server = _Server(process)
+    engines: list[int] = []
+    try:
+        async with anyio.create_task_group() as tg:
+            ready = anyio.Event()
+
+            async def read_stderr() -> None:
+                assert process.stderr is not None
+                async for chunk in process.stderr:
+                    server.stderr += chunk
+                    found = _SERVING.search(server.stderr)
+                    if found and not ready.is_set():
+                        server.port = int(found.group(1))
+                        ready.set()
+
+            tg.start_soon(read_stderr)
+            with anyio.move_on_after(60):
+                await ready.wait()
+            assert ready.is_set(), server.stderr.decode(errors="replace")
+            engines = server.engine_pids()
+            yield server
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+            for pid in engines:
+                await _wait_gone(pid, 15)
+
+
+async def _stream(base_url: str, body: dict[str, object], first: anyio.Event) -> list[object]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:  # noqa: SIM117
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            data = b""
+            async for chunk in response.aiter_bytes():
+                data += chunk
+                first.set()
+            return sse_events(data)
+
+
+_SLOW = ["--engine-args=--output-delay-ms 5"]
+
+
+async def test_sigterm_drains_running_requests_then_exits_0(anyio_backend: str) -> None:
+    async with cli_server(*_SLOW, "--shutdown-grace", "30") as server:
+        (engine,) = server.engine_pids()
+        first = anyio.Event()
+        results: list[list[object]] = []
+
+        async def one() -> None:
+            results.append(
+                await _stream(
+                    server.base_url,
+                    {"prompt": "abc", "max_tokens": 300, "ignore_eos": True, "stream": True},
+                    first,
+                )
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one)
+            await first.wait()
+            server.process.send_signal(signal.SIGTERM)
+            # no new connections once draining (the listener closes at once)
+            with anyio.fail_after(10):
+                while True:
+                    try:
+                        await raw_request(server.port, "GET", "/health")
+                    except OSError:
+                        break
+                    await anyio.sleep(0.05)
+        (events,) = results
+        assert events[-1] == "[DONE]"
+        text = "".join(e["choices"][0]["text"] for e in events[:-1])  # type: ignore[index]
+        assert len(text) == 300
+        assert events[-2]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+        with anyio.fail_after(30):
+            assert await server.process.wait() == 0
+        await _wait_gone(engine, 15)
+        assert b"SIGTERM" in server.stderr
+
+
+async def test_engine_death_ends_streams_and_exits_1(anyio_backend: str) -> None:
+    async with cli_server(*_SLOW) as server:
+        (engine,) = server.engine_pids()
+        started = [anyio.Event() for _ in range(5)]
+        results: list[list[object]] = []
+
+        async def one(first: anyio.Event) -> None:
+            body = {"prompt": "abc", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+            results.append(await _stream(server.base_url, body, first))
+
+        async with anyio.create_task_group() as tg:
+            for event in started:
+                tg.start_soon(one, event)
+            for event in started:
+                await event.wait()
+            os.kill(engine, signal.SIGKILL)
+        assert len(results) == 5
+        for events in results:
+            assert events[-1] == "[DONE]"
+            assert events[-2]["error"]["code"] == 503  # type: ignore[index]
+        with anyio.fail_after(30):
+            assert await server.process.wait() == 1
+
+
+async def test_keep_serving_on_engine_death(anyio_backend: str) -> None:
+    async with cli_server("--keep-serving-on-engine-death") as server:
+        (engine,) = server.engine_pids()
+        status, _, _ = await raw_request(server.port, "GET", "/health")
+        assert status == 200
+        os.kill(engine, signal.SIGKILL)
+        with anyio.fail_after(10):
+            while (await raw_request(server.port, "GET", "/health"))[0] != 503:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        status, _, data = await raw_request(
+            server.port, "POST", "/v1/completions", b'{"prompt": "x"}',
+            {"content-type": "application/json"},
+        )  # fmt: skip
+        assert status == 503
+        assert json.loads(data)["error"]["type"] == "ServiceUnavailableError"
+        assert server.process.returncode is None
+        server.process.send_signal(signal.SIGTERM)
+        with anyio.fail_after(30):
+            assert await server.process.wait() == 0
+
+
+async def test_killed_server_leaves_no_engine(anyio_backend: str) -> None:
+    async with cli_server() as server:
+        (engine,) = server.engine_pids()
+        assert _alive(engine)
+        server.process.kill()
+        await server.process.wait()
+        await _wait_gone(engine, 15)  # the engine's --parent-pid watch
+
+
+async def test_api_key_from_the_environment(anyio_backend: str) -> None:
+    async with cli_server(env={"VLLM_API_KEY": "from-env"}) as server:
+        body = b'{"prompt": "x", "max_tokens": 1}'
+        status, _, _ = await raw_request(
+            server.port, "POST", "/v1/completions", body, {"content-type": "application/json"}
+        )
+        assert status == 401
+        status, _, _ = await raw_request(
+            server.port, "POST", "/v1/completions", body,
+            {"content-type": "application/json", "authorization": "Bearer from-env"},
+        )  # fmt: skip
+        assert status == 200
+        server.process.send_signal(signal.SIGTERM)
+        with anyio.fail_after(30):
+            assert await server.process.wait() == 0
+
+
+async def test_usage_errors_exit_2(anyio_backend: str) -> None:
+    for args in (["--engine", "vllm"], ["--model", "/no/such/dir"], ["--engines", "0"]):
+        done = await anyio.run_process(
+            [sys.executable, "-m", "trio_vllm.cli", "serve", *args], check=False
+        )
+        assert done.returncode == 2, (args, done.stderr)
+        assert b"trio-vllm serve: error:" in done.stderr
