@@ -1,0 +1,275 @@
+"""``vllm bench serve`` against ``trio-vllm serve``, vLLM's API server and its Rust frontend.
+
+Frontend-bound setting (issue 13): the engine is nearly free, so the frontend is what
+is measured. Every server under test runs without a local engine and our reference
+engine (echo model, ``--max-num-seqs 256``, the tiny-llama vocabulary via
+``--model-dir``) connects to it as its headless engine:
+
+* ``trio``: ``trio-vllm serve --connect tcp://127.0.0.1:P --engines 1 --model DIR``
+* ``vllm``: ``vllm serve DIR --data-parallel-size 1 --data-parallel-size-local 0
+  --data-parallel-address 127.0.0.1 --data-parallel-rpc-port P`` (vLLM's Python API
+  server)
+* ``vllm-rs``: the same with ``VLLM_USE_RUST_FRONTEND=1 VLLM_RUST_FRONTEND_PATH=...``
+  (vLLM's Rust frontend; ``../shared/interop/fetch_vllm_rs.sh`` fetches it)
+
+The client is vLLM's own ``vllm bench serve`` (random dataset, 32 tokens in, 64 out,
+``--ignore-eos``), backends ``openai`` and ``openai-chat``, at each concurrency. The
+frontend is pinned to core 0 (``taskset``), engine and client to the others. Reported
+per run: request throughput, output tokens/s, TTFT and ITL p50/p99, the frontend's
+CPU seconds per request (its process tree, engine excluded) and SSE chunks with
+content per request (``len(itls) + 1`` from the detailed results), plus ratios
+trio/vllm and trio/vllm-rs.
+
+    python bench/bench_serve.py --vllm-python PY [--concurrency 1,16,64,256]
+        [--servers trio,vllm,vllm-rs] [--json OUT]
+
+Absolute figures on a shared 2-core machine are noise; the ratios of one run are the
+result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "interop"
+MODEL = SHARED / "tiny-llama"
+VLLM_CLI = SHARED / "vllm_cli.py"
+RS_DEFAULT = Path.home() / ".cache" / "vllm-rs-0.32.0" / "vllm-rs"
+SERVED = "tiny"
+FRONTEND_CORE = "0"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _other_cores() -> str:
+    cores = sorted(os.sched_getaffinity(0))
+    rest = [c for c in cores if str(c) != FRONTEND_CORE] or cores
+    return ",".join(str(c) for c in rest)
+
+
+def _tree_cpu(pid: int, exclude: set[int]) -> float:
+    """CPU seconds (user + system) of ``pid`` and its live descendants, minus ``exclude``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        if p in exclude:
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    stack += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float = 900) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} during startup")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server on {port} not healthy after {timeout} s")
+
+
+class _Setting:
+    """One frontend with our reference engine connected as its headless engine."""
+
+    def __init__(self, name: str, vllm_python: str, rs_path: Path, logdir: Path) -> None:
+        self.name = name
+        self.port = _free_port()
+        self.rpc_port = _free_port()
+        self.log = open(logdir / f"{name}.log", "wb")  # noqa: SIM115
+        env = {**os.environ}
+        pin = ["taskset", "-c", FRONTEND_CORE]
+        if name == "trio":
+            command = [
+                *pin, sys.executable, "-m", "trio_vllm.cli", "serve", "--model", str(MODEL),
+                "--served-model-name", SERVED, "--port", str(self.port),
+                "--connect", f"tcp://127.0.0.1:{self.rpc_port}", "--engines", "1",
+            ]  # fmt: skip
+        else:
+            command = [
+                *pin, vllm_python, str(VLLM_CLI), "serve", str(MODEL), "--served-model-name",
+                SERVED, "--host", "127.0.0.1", "--port", str(self.port),
+                "--data-parallel-size", "1", "--data-parallel-size-local", "0",
+                "--data-parallel-address", "127.0.0.1",
+                "--data-parallel-rpc-port", str(self.rpc_port), "--max-model-len", "512",
+                "--max-num-seqs", "256", "--disable-log-stats",
+            ]  # fmt: skip
+            if name == "vllm-rs":
+                env["VLLM_USE_RUST_FRONTEND"] = "1"
+                env["VLLM_RUST_FRONTEND_PATH"] = str(rs_path)
+        self.frontend = subprocess.Popen(
+            command, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        engine = [
+            "taskset", "-c", _other_cores(), sys.executable, "-m", "trio_vllm.reference_engine",
+            "--handshake-address", f"tcp://127.0.0.1:{self.rpc_port}", "--model", "echo",
+            "--model-dir", str(MODEL), "--max-num-seqs", "256", "--max-model-len", "512",
+            "--max-num-batched-tokens", "8192", "--disable-log-stats",
+        ]  # fmt: skip
+        # vLLM's frontend binds the handshake socket a while after start; the reference
+        # engine retries its connection (ZeroMQ), so it can start at once.
+        self.engine = subprocess.Popen(
+            engine, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        _wait_healthy(self.port, self.frontend)
+
+    def cpu(self) -> float:
+        return _tree_cpu(self.frontend.pid, {self.engine.pid})
+
+    def close(self) -> None:
+        # The frontend first (an engine stopped first is an engine death to it).
+        for proc in (self.frontend, self.engine):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.log.close()
+
+
+def _bench(
+    vllm_python: str, setting: _Setting, backend: str, concurrency: int, prompts: int,
+    outdir: Path,
+) -> dict[str, Any]:  # fmt: skip
+    name = f"{setting.name}-{backend}-{concurrency}.json"
+    endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
+    command = [
+        "taskset", "-c", _other_cores(), vllm_python, str(VLLM_CLI), "bench", "serve",
+        "--backend", backend, "--base-url", f"http://127.0.0.1:{setting.port}",
+        "--endpoint", endpoint, "--model", SERVED, "--tokenizer", str(MODEL),
+        "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "64",
+        "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+        "--ignore-eos", "--seed", "0", "--save-result", "--save-detailed",
+        "--result-dir", str(outdir), "--result-filename", name, "--disable-tqdm",
+    ]  # fmt: skip
+    before = setting.cpu()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cpu = setting.cpu() - before
+    data = json.loads((outdir / name).read_text())
+    itls = data.get("itls") or []
+    completed = data["completed"]
+    chunks = [len(x) + 1 for x in itls if x is not None]
+    return {
+        "completed": completed,
+        "failed": data.get("failed", 0),
+        "req_s": data["request_throughput"],
+        "out_tok_s": data["output_throughput"],
+        "ttft_p50_ms": data["median_ttft_ms"],
+        "ttft_p99_ms": data["p99_ttft_ms"],
+        "itl_p50_ms": data["median_itl_ms"],
+        "itl_p99_ms": data["p99_itl_ms"],
+        # includes the bench client's warm-up request (one per run)
+        "cpu_s_per_req": cpu / max(completed, 1),
+        "chunks_per_req": sum(chunks) / len(chunks) if chunks else None,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm-python", required=True, help="python with vLLM 0.32.0")
+    parser.add_argument("--concurrency", default="1,16,64,256")
+    parser.add_argument("--backends", default="openai,openai-chat")
+    parser.add_argument("--servers", default="trio,vllm,vllm-rs")
+    parser.add_argument("--prompts-per-concurrency", type=int, default=4,
+                        help="num-prompts = max(200, this x concurrency)")
+    parser.add_argument("--rs-path", type=Path, default=RS_DEFAULT)
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    backends = args.backends.split(",")
+    servers = args.servers.split(",")
+    if "vllm-rs" in servers and not args.rs_path.exists():
+        sys.stderr.write(f"no Rust frontend at {args.rs_path}; skipping vllm-rs\n")
+        servers.remove("vllm-rs")
+    results: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_avg_start": os.getloadavg(),
+        "setting": "frontend-bound: reference engine (echo, max-num-seqs 256) as the "
+                   "headless engine of each frontend; random 32 in / 64 out, ignore-eos",
+        "runs": {},
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        outdir = Path(tmp)
+        for server in servers:
+            setting = _Setting(server, args.vllm_python, args.rs_path, outdir)
+            try:
+                for backend in backends:
+                    for c in concurrencies:
+                        prompts = max(200, args.prompts_per_concurrency * c)
+                        r = _bench(args.vllm_python, setting, backend, c, prompts, outdir)
+                        results["runs"][f"{server}/{backend}/{c}"] = r
+                        print(server, backend, c, json.dumps(r), flush=True)
+            finally:
+                setting.close()
+                sys.stderr.write((outdir / f"{server}.log").read_text()[-3000:])
+    results["load_avg_end"] = os.getloadavg()
+    print(_table(results, servers, backends, concurrencies))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+def _table(results: dict[str, Any], servers: list[str], backends: list[str],
+           concurrencies: list[int]) -> str:  # fmt: skip
+    runs = results["runs"]
+    lines = [
+        "| backend | conc | server | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms "
+        "| CPU ms/req | chunks/req | req/s vs vllm | CPU vs vllm | req/s vs vllm-rs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for backend in backends:
+        for c in concurrencies:
+            base = runs.get(f"vllm/{backend}/{c}")
+            rs = runs.get(f"vllm-rs/{backend}/{c}")
+            for server in servers:
+                r = runs.get(f"{server}/{backend}/{c}")
+                if r is None:
+                    continue
+                vs = f"{r['req_s'] / base['req_s']:.2f}" if base else "-"
+                cpu = f"{r['cpu_s_per_req'] / base['cpu_s_per_req']:.2f}" if base else "-"
+                vrs = f"{r['req_s'] / rs['req_s']:.2f}" if rs else "-"
+                chunks = f"{r['chunks_per_req']:.1f}" if r["chunks_per_req"] else "-"
+                lines.append(
+                    f"| {backend} | {c} | {server} | {r['req_s']:.1f} | {r['out_tok_s']:.0f} "
+                    f"| {r['ttft_p50_ms']:.1f}/{r['ttft_p99_ms']:.1f} "
+                    f"| {r['itl_p50_ms']:.2f}/{r['itl_p99_ms']:.2f} "
+                    f"| {r['cpu_s_per_req'] * 1000:.2f} | {chunks} | {vs} | {cpu} | {vrs} |"
+                )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
