@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
 import threading
 from typing import TYPE_CHECKING
@@ -140,3 +141,29 @@ async def test_startup_failure_keeps_the_last_lines_in_the_error(collect: _Colle
 def test_the_library_is_silent_by_default() -> None:
     # A NullHandler keeps the last-resort handler from printing engine warnings.
     assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("trio_vllm").handlers)
+
+
+def test_a_forked_child_forwards_with_its_own_thread() -> None:
+    # The parent's forwarder thread does not survive a fork; the child gets a fresh one
+    # (and fresh locks) instead of lines queued for nobody.
+    code = (
+        "import logging, os, sys\n"
+        "from trio_vllm import _log\n"
+        "got = []\n"
+        "class H(logging.Handler):\n"
+        "    def emit(self, record): got.append(record.getMessage())\n"
+        "log = logging.getLogger('trio_vllm.engine.0')\n"
+        "log.addHandler(H()); log.setLevel(logging.INFO)\n"
+        "_log.forward_engine_line(log, 'parent', 1)\n"
+        "assert _log.flush_engine_logs(10) and got == ['parent'], got\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    _log.forward_engine_line(log, 'child', 2)\n"
+        "    os._exit(0 if _log.flush_engine_logs(10) and got[-1] == 'child' else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "sys.exit(os.waitstatus_to_exitcode(status))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
