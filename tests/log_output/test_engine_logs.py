@@ -85,6 +85,20 @@ async def test_each_line_reaches_the_rank_logger_with_its_level(collect: _Collec
     assert process.output_tail().splitlines()[-2:] == ["a plain line", "no newline at the end"]
 
 
+async def test_a_launcher_s_lines_go_to_the_rank_they_name(collect: _Collect) -> None:
+    code = (
+        "print('(EngineCore_DP3 pid=7) INFO 12-01 [core.py:1] three')\n"
+        "print('(EngineCore_DP2 pid=8) INFO 12-01 [core.py:1] two')\n"
+        "print('(Worker_DP3_TP0 pid=9) WARNING 12-01 [w.py:1] worker of three')\n"
+        "print('(APIServer pid=1) INFO 12-01 [api.py:1] launcher')\n"
+        "print('(EngineCore_DP9 pid=7) INFO 12-01 [core.py:1] not ours')\n"
+    )
+    await _run(code, ranks=[2, 3])
+    assert _log.flush_engine_logs(10)
+    got = [(r.name.rsplit(".", 1)[1], r.getMessage().rsplit(" ", 1)[1]) for r in collect.records]
+    assert got == [("3", "three"), ("2", "two"), ("3", "three"), ("2", "launcher"), ("2", "ours")]
+
+
 async def test_lines_below_the_logger_level_are_not_queued(collect: _Collect) -> None:
     logging.getLogger("trio_vllm.engine").setLevel(logging.WARNING)
     await _run("print('INFO chatter'); print('WARNING kept'); print('more chatter')", ranks=[0])
