@@ -63,6 +63,11 @@ if TYPE_CHECKING:
     from .client import open_client as open_client
     from .client import prepare_sampling_params as prepare_sampling_params
     from .client._inproc import InprocEngine as InprocEngine
+    from .llm import LLM as LLM
+    from .llm import RequestOutputStream as RequestOutputStream
+    from .llm import SyncLLM as SyncLLM
+    from .llm import SyncRequestOutputStream as SyncRequestOutputStream
+    from .llm import open_llm as open_llm
     from .sync import SyncClient as SyncClient
     from .sync import SyncRequestStream as SyncRequestStream
     from .text import CompletionOutput as CompletionOutput
@@ -90,6 +95,11 @@ _LAZY: dict[str, str] = {
     "InprocEngine": ".client._inproc",
     "SyncClient": ".sync",
     "SyncRequestStream": ".sync",
+    "LLM": ".llm",
+    "RequestOutputStream": ".llm",
+    "SyncLLM": ".llm",
+    "SyncRequestOutputStream": ".llm",
+    "open_llm": ".llm",
     "CompletionOutput": ".text",
     "Logprob": ".text",
     "ModelFiles": ".text",
@@ -99,7 +109,7 @@ _LAZY: dict[str, str] = {
     "TokensPrompt": ".text",
 }
 
-_LAZY_SUBMODULES = frozenset({"client", "sync", "text", "transport"})
+_LAZY_SUBMODULES = frozenset({"client", "llm", "sync", "text", "transport"})
 
 __all__ = [
     "ENGINE_CORE_DEAD",
