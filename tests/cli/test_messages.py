@@ -87,6 +87,7 @@ def test_help_is_plain_text_fitted_to_the_terminal(command: list[str]) -> None:
     assert all(len(line) <= 60 for line in lines), [line for line in lines if len(line) > 60]
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_output_to_a_full_disk_is_one_line() -> None:
     with open("/dev/full", "w") as full:
         result = subprocess.run(
