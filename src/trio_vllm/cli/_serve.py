@@ -210,7 +210,7 @@ def _engine_source(
 
 def _log_to_stderr(args: argparse.Namespace) -> None:
     # vllm serve logs at INFO by default; so does this, unless -v/--log-level chose.
-    if getattr(args, "log_level", None) or getattr(args, "verbose", 0):
+    if getattr(args, "log_level", None) or getattr(args, "log_verbosity", 0):
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
@@ -230,6 +230,14 @@ def run(args: argparse.Namespace) -> int:
     from ..server._run import run_openai_server
 
     prog = "trio-vllm serve"
+    import importlib.util
+
+    missing = [m for m in ("hypercorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        sys.stderr.write(
+            f"{prog}: error: needs {' and '.join(missing)}: pip install 'trio-vllm[serve]'\n"
+        )
+        return 2
     try:
         model_dir, reference_model = _model_plan(args)
         engines = _engine_source(args, model_dir, reference_model)

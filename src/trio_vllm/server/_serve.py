@@ -40,6 +40,16 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
+def _on_trio() -> bool:
+    import trio
+
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        return False
+    return True
+
+
 async def serve_app(
     app: Callable[..., Awaitable[None]],
     *,
@@ -60,7 +70,6 @@ async def serve_app(
     (a cancelled generation request aborts on its engine). Cancelling this call closes
     everything at once.
     """
-    import sniffio
     from hypercorn.config import Config
 
     sock = _listen(host, port, backlog)
@@ -73,7 +82,7 @@ async def serve_app(
     config.accesslog = logging.getLogger("hypercorn.access") if access_log else None
     config.errorlog = logging.getLogger("hypercorn.error")
     task_status.started(bound_port)
-    if sniffio.current_async_library() == "trio":
+    if _on_trio():
         from hypercorn.trio import serve as trio_serve
 
         await trio_serve(app, config, shutdown_trigger=shutdown_trigger)
