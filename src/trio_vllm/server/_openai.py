@@ -200,10 +200,11 @@ def _check_prompt_len(max_model_len: int, count: int) -> None:
         )
 
 
-def _check_prompt_chars(max_model_len: int, text: str) -> None:
+def _check_prompt_chars(max_model_len: int, text: str, tokenizer: TokenizerLike) -> None:
     # vLLM bounds text before tokenizing (max_chars_per_token); so does the server, so a
     # huge prompt costs no tokenizer time.
-    limit = max_model_len * _DEFAULT_MAX_CHARS_PER_TOKEN
+    per_token = getattr(tokenizer, "max_chars_per_token", _DEFAULT_MAX_CHARS_PER_TOKEN)
+    limit = max_model_len * per_token
     if len(text) > limit:
         raise HTTPError(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
@@ -315,7 +316,7 @@ def plan_completion(
     echo_only = bool(req.echo) and req.max_tokens == 0
     for item in items:
         if isinstance(item, str):
-            _check_prompt_chars(max_model_len, item)
+            _check_prompt_chars(max_model_len, item, tokenizer)
             ids = tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
             text = item
         else:
@@ -393,7 +394,7 @@ def plan_chat(
     for message in req.messages:
         content = message.get("content")
         if isinstance(content, str):
-            _check_prompt_chars(max_model_len, content)
+            _check_prompt_chars(max_model_len, content, llm.tokenizer)
     try:
         text, ids = llm.render_chat(
             req.messages,
