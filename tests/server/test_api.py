@@ -332,3 +332,21 @@ async def test_unknown_fields_are_ignored_with_a_warning(
         )
     assert r.choices[0].text == "extra"
     assert any("frobnicate" in rec.getMessage() for rec in caplog.records)
+
+
+async def test_several_prompts(client: openai.AsyncOpenAI) -> None:
+    r = await client.completions.create(
+        model="", prompt=["abc", "xyz"], max_tokens=3, n=2, temperature=0.5, seed=1
+    )
+    assert [(c.index, c.text) for c in r.choices] == [
+        (0, "abc"), (1, "abc"), (2, "xyz"), (3, "xyz"),
+    ]  # fmt: skip
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (6, 12)
+    texts: dict[int, str] = {}
+    async for chunk in await client.completions.create(
+        model="", prompt=[[104, 105], [111, 107]], max_tokens=4, stream=True
+    ):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {0: "hihi", 1: "okok"}

@@ -69,6 +69,7 @@ _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
 ]
+_SSE_START = {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS}
 _NOT_FOUND = b'{"detail":"Not Found"}'
 _NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
 _UNAUTHORIZED = b'{"error":"Unauthorized"}'
@@ -361,68 +362,84 @@ class OpenAIServer:
             if kind == "completion"
             else ChatResponder(plan, tokenizer, self.fingerprint)
         )
-        started = False
         timing = _Timing(received, self.metrics)
         try:
-            async with AsyncExitStack() as stack:
-                streams = []
-                for prompt, params, engine_id in zip(
-                    plan.prompts, plan.params, plan.engine_ids, strict=True
-                ):
-                    streams.append(
-                        await stack.enter_async_context(
-                            self.llm.generate(prompt, params, request_id=engine_id)
-                        )
-                    )
-                if plan.stream:
-                    await send(
-                        {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS}
-                    )
-                    started = True
-
-                async def deliver(prompt_idx: int, out: RequestOutput) -> None:
-                    timing.output(out)
-                    events = responder.on_output(prompt_idx, out)
-                    if events:
-                        await send(
-                            {"type": "http.response.body", "body": events, "more_body": True}
-                        )
-
-                if len(streams) == 1:
-                    async for out in streams[0]:
-                        await deliver(0, out)
-                else:
-                    lock = anyio.Lock()
-
-                    async def pump(prompt_idx: int) -> None:
-                        async for out in streams[prompt_idx]:
-                            async with lock:
-                                await deliver(prompt_idx, out)
-
-                    try:
-                        async with anyio.create_task_group() as pumps:
-                            for idx in range(len(streams)):
-                                pumps.start_soon(pump, idx)
-                    except BaseExceptionGroup as group:
-                        raise _first_error(group) from None
+            if len(plan.prompts) == 1:  # the common case, without the stack and the pumps
+                async with self.llm.generate(
+                    plan.prompts[0], plan.params[0], request_id=plan.engine_ids[0]
+                ) as stream:
+                    if plan.stream:
+                        await send(_SSE_START)
+                        outcome.started = True
+                    async for out in stream:
+                        timing.output(out)
+                        events = responder.on_output(0, out)
+                        if events:
+                            await send(
+                                {"type": "http.response.body", "body": events, "more_body": True}
+                            )
+            else:
+                await self._run_batch(plan, responder, timing, send, outcome)
         except (HTTPError, InvalidRequestError, EngineDeadError, GenerationError) as exc:
             error = _as_http_error(exc)
             if isinstance(exc, EngineDeadError):
                 self.mark_dead()
-            await _send_failure(send, error, started, outcome)
+            await _send_failure(send, error, outcome)
             return
         except Exception:
             logger.exception("error in %s request %s", kind, plan.request_id)
             error = HTTPError("Internal server error", 500, err_type="InternalServerError")
-            await _send_failure(send, error, started, outcome)
+            await _send_failure(send, error, outcome)
             return
         timing.finished(responder)
         tail = responder.finish()
         outcome.done(200)
-        if started:
+        if outcome.started:
             await send({"type": "http.response.body", "body": tail})
         else:
             await send_bytes(send, 200, tail)
+
+
+    async def _run_batch(
+        self,
+        plan: GenerationPlan,
+        responder: CompletionResponder | ChatResponder,
+        timing: _Timing,
+        send: ASGISend,
+        outcome: _Outcome,
+    ) -> None:
+        """Several prompts (completions only): all submitted (or none), outputs merged
+        as they come."""
+        async with AsyncExitStack() as stack:
+            streams = [
+                await stack.enter_async_context(
+                    self.llm.generate(prompt, params, request_id=engine_id)
+                )
+                for prompt, params, engine_id in zip(
+                    plan.prompts, plan.params, plan.engine_ids, strict=True
+                )
+            ]
+            if plan.stream:
+                await send(_SSE_START)
+                outcome.started = True
+            lock = anyio.Lock()
+
+            async def pump(prompt_idx: int) -> None:
+                async for out in streams[prompt_idx]:
+                    async with lock:
+                        timing.output(out)
+                        events = responder.on_output(prompt_idx, out)
+                        if events:
+                            await send(
+                                {"type": "http.response.body", "body": events, "more_body": True}
+                            )
+
+            try:
+                async with anyio.create_task_group() as pumps:
+                    for idx in range(len(streams)):
+                        pumps.start_soon(pump, idx)
+            except BaseExceptionGroup as group:
+                raise _first_error(group) from None
 
 
 class _Outcome:
@@ -430,9 +447,10 @@ class _Outcome:
     in full, and an ``http.disconnect`` (which ASGI servers also send after a complete
     response) no longer cancels anything."""
 
-    __slots__ = ("complete", "status")
+    __slots__ = ("complete", "started", "status")
 
     def __init__(self) -> None:
+        self.started = False  # the response head is sent (streaming)
         self.complete = False
         self.status = 0
 
@@ -441,11 +459,9 @@ class _Outcome:
         self.status = status
 
 
-async def _send_failure(
-    send: ASGISend, error: HTTPError, started: bool, outcome: _Outcome
-) -> None:
+async def _send_failure(send: ASGISend, error: HTTPError, outcome: _Outcome) -> None:
     """An error response, or, once streaming, an error event and ``[DONE]``."""
-    if not started:
+    if not outcome.started:
         outcome.done(error.status)
         await send_error(send, error)
         return
