@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING
 import anyio
 import httpx
 import pytest
+
+from trio_vllm.reference_engine import MODEL_DIR
 
 from ._util import raw_request, sse_events
 
@@ -235,3 +238,31 @@ async def test_usage_errors_exit_2(anyio_backend: str) -> None:
         )
         assert done.returncode == 2, (args, done.stderr)
         assert b"trio-vllm serve: error:" in done.stderr
+
+
+async def test_connect_to_an_engine_started_elsewhere(anyio_backend: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    engine = await anyio.open_process(
+        [sys.executable, "-m", "trio_vllm.reference_engine", "--handshake-address",
+         f"tcp://127.0.0.1:{port}", "--model", "echo", "--model-dir", MODEL_DIR],
+        stdin=None, stdout=None, stderr=None,
+    )  # fmt: skip
+    try:
+        async with cli_server("--connect", f"tcp://127.0.0.1:{port}", "--engines", "1") as server:
+            assert server.engine_pids() == []  # nothing spawned
+            status, _, data = await raw_request(
+                server.port, "POST", "/v1/completions", b'{"prompt": "far", "max_tokens": 3}',
+                {"content-type": "application/json"},
+            )  # fmt: skip
+            assert status == 200
+            assert json.loads(data)["choices"][0]["text"] == "far"
+            server.process.send_signal(signal.SIGTERM)
+            with anyio.fail_after(30):
+                assert await server.process.wait() == 0
+    finally:
+        with anyio.CancelScope(shield=True):
+            if engine.returncode is None:
+                engine.kill()
+            await engine.wait()
