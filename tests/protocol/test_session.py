@@ -105,7 +105,7 @@ def test_late_outputs_after_an_abort_are_dropped() -> None:
     stream = object()
     started(session, "s", stream, rank=1)
     started(session, "r", rank=1)
-    by_rank, handles = session.abort(["s", "r", "unknown"])
+    by_rank, handles, _ = session.abort(["s", "r", "unknown"])
     assert by_rank == {1: ["s", "r", "unknown"], 0: ["unknown"]}
     assert handles == [stream]
     assert session.in_flight(1) == 0

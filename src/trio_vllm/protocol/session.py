@@ -579,11 +579,12 @@ class ClientSession:
 
     def abort(
         self, request_ids: Iterable[str], rank: int | None = None
-    ) -> tuple[dict[int, list[str]], list[object]]:
+    ) -> tuple[dict[int, list[str]], list[object], list[Action]]:
         """Finish requests locally; return (rank -> ids to send ABORT to, the stream
-        handles to stop). Ids not running here (unknown, finished) go to ``rank`` or to
-        every live rank (aborting is idempotent). Streams stay registered until their
-        block is left but get no more outputs.
+        handles to stop, actions: a retiring rank drained). Ids not running here
+                (unknown, finished) go to ``rank`` or to every live rank (aborting is
+        idempotent). Streams stay registered until their block is left but get no more
+        outputs.
 
         Refuses before changing anything: ``ValueError`` for an unknown or gone
         ``rank`` (when it is needed), :class:`EngineDeadError` once dead.
@@ -596,6 +597,7 @@ class ClientSession:
             targets = self.live_ranks if rank is None else [self.choose_rank(rank)]
         by_rank: dict[int, list[str]] = {}
         handles: list[object] = []
+        actions: list[Action] = []
         for request_id in ids:
             req = requests.get(request_id)
             if req is None or not req.counted:
@@ -607,9 +609,9 @@ class ClientSession:
                 self._raw_live -= 1
             else:
                 handles.append(req.handle)
-            self._release(req)
+            actions.extend(self._release(req))
             by_rank.setdefault(req.rank, []).append(request_id)
-        return by_rank, handles
+        return by_rank, handles, actions
 
     def is_counted(self, request_id: str) -> bool:
         """Whether the request still waits for outputs (not finished, aborted or failed)."""
