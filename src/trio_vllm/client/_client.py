@@ -27,13 +27,11 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Literal, TypeVar, cast, final
+from typing import TYPE_CHECKING, Literal, TypeVar, cast, final
 
 import anyio
 import anyio.abc
 import anyio.lowlevel
-import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from .._exceptions import (
     EngineDeadError,
@@ -43,7 +41,7 @@ from .._exceptions import (
     UnroutableError,
     UtilityCallError,
 )
-from ..protocol.handshake import identity_for_rank, rank_for_identity
+from ..protocol.handshake import identity_for_rank
 from ..protocol.session import (
     ClientSession,
     DeathRecord,
@@ -60,6 +58,7 @@ from ..protocol.session import (
     SendWave,
 )
 from ._mailbox import Mailbox
+from ._receiver import Receiver
 from ._startup import (
     DEFAULT_READY_TIMEOUT,
     DEFAULT_SHUTDOWN_GRACE,
@@ -67,10 +66,8 @@ from ._startup import (
     Sockets,
     SourceSet,
     StartupProgress,
-    _bytes,
+    connect_engines,
     default_ready_timeout,
-    handshake_parts,
-    start_engines,
     stop_processes,
 )
 from ._streams import RequestStream
@@ -83,7 +80,6 @@ if TYPE_CHECKING:
     from ..protocol.profiles import ProtocolProfile
     from ..protocol.session import Action
     from ..protocol.structs import EngineCoreOutputs, EngineCoreRequest
-    from ..transport import AsyncSocket
     from ._engines import EngineSource
     from ._process import EngineProcess
 
@@ -98,10 +94,6 @@ __all__ = [
 
 R = TypeVar("R")
 _default_ready_timeout = default_ready_timeout  # the name tests and callers know
-# After a death noticed outside the output stream: drain the engine's last outputs until
-# quiet this long, at most _EXIT_DRAIN_S, then declare it (inside the 100 ms promise).
-_EXIT_QUIET_S: Final = 0.004
-_EXIT_DRAIN_S: Final = 0.03
 
 logger = logging.getLogger("trio_vllm.client")
 
@@ -176,9 +168,10 @@ class EngineCoreClient(NamedUtilities):
         self._dead_event = anyio.Event()
         self._drained: dict[int, anyio.Event] = {}  # retire_rank waiters
         self._join: HandshakeRun | None = None  # one add_engines at a time
-        self._closing = False
-        self._receiving = False
-        self._receive_scope: anyio.CancelScope | None = None
+        self._receiver = Receiver(
+            self._session, self._sockets, self._wire, self._apply, lambda: self._join
+        )
+        self._drain_after_exit = self._receiver.drain_after_exit
 
     # ------------------------------------------------------------------ properties
 
@@ -330,7 +323,7 @@ class EngineCoreClient(NamedUtilities):
                 self._on_died(action.record)
 
     def _on_died(self, record: DeathRecord) -> None:
-        if self._closing:
+        if self._receiver.closing:
             logger.info("client closed")
         else:
             logger.warning("client dead: %s (cause: %r)", record.message, record.cause)
@@ -342,21 +335,10 @@ class EngineCoreClient(NamedUtilities):
         if self._join is not None:
             self._join.fail(record.error())
 
-    def _die(self, message: str, cause: BaseException | None = None) -> None:
-        self._apply(self._session.rank_died(None, message, cause))
-
-    def _wake_receiver(self) -> None:
-        """A death was noticed: the receive task drains, then declares it; without a
-        receive task running it is declared at once."""
-        if not self._receiving:
-            self._apply(self._session.declare_noticed())
-        elif self._receive_scope is not None:
-            self._receive_scope.cancel()
-
     def _on_process_exit(self, process: EngineProcess) -> None:
         if self._session.notice_exit(process.ranks, process.describe_exit()):
             logger.info("engine process %s (ranks %s) exited", process.name, process.ranks)
-            self._wake_receiver()
+            self._receiver.wake()
 
     # ------------------------------------------------------------------ sending
 
@@ -365,7 +347,7 @@ class EngineCoreClient(NamedUtilities):
             await self._input.send([identity_for_rank(rank), *frames])
         except UnroutableError as exc:
             record = self._session.notice_rank(rank, f"engine {rank} is no longer connected", exc)
-            self._wake_receiver()
+            self._receiver.wake()
             raise record.error() from exc
         except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
             raise self._session.dead_error() from exc
@@ -618,6 +600,9 @@ class EngineCoreClient(NamedUtilities):
                 await process.stop(self._shutdown_grace)
         self._apply(actions)
 
+    def _set_join(self, run: HandshakeRun) -> None:
+        self._join = run
+
     async def add_engines(
         self, source: EngineSource, *, ready_timeout: float | None = None
     ) -> list[int]:
@@ -646,34 +631,22 @@ class EngineCoreClient(NamedUtilities):
         timeout = default_ready_timeout() if ready_timeout is None else ready_timeout
         self._session.begin_join(engines.ranks)
         processes: list[EngineProcess] = []
-        handshake_socket = None
         try:
-            parts, watched = handshake_parts(self._sockets, engines)
-            join = self._join = HandshakeRun(parts)
-            handshake_socket = self._sockets.handshake_socket()
-            addresses = self._sockets.bind_handshakes(handshake_socket, engines.layouts)
-
-            def on_exit(process: EngineProcess) -> None:
-                if not join.process_exited(process):
-                    self._on_process_exit(process)
-
             try:
-                await start_engines(
-                    join,
+                connected = await connect_engines(
+                    self._sockets,
                     engines,
-                    handshake_socket,
-                    addresses,
                     processes=processes,
                     task_group=self._task_group,
-                    on_exit=on_exit,
-                    input_socket=None,
+                    on_exit=self._on_process_exit,
+                    input_socket=None,  # the input guard feeds the join
                     ready_timeout=timeout,
+                    on_run=self._set_join,
                 )
             except EngineStartupError:
                 self._check_alive()  # the client died meanwhile: say that instead
                 raise
-            assert join.complete is not None
-            version = join.complete.vllm_version
+            version = connected.complete.vllm_version
             if version != self._wire.vllm_version:
                 raise EngineStartupError(
                     f"the new engines report vLLM {version}, the client's engines "
@@ -685,176 +658,16 @@ class EngineCoreClient(NamedUtilities):
             raise
         finally:
             self._join = None
-            if handshake_socket is not None:
-                handshake_socket.close()
         # Commit (no checkpoint since the handshake completed).
-        for rank, response in join.complete.ready_responses.items():
+        for rank, response in connected.complete.ready_responses.items():
             self._ready_responses[rank] = dict(response)
         self._session.join_complete(engines.ranks)
         self._wire.set_limits(self._ready_responses)
         self._processes.extend(processes)
-        for bound_input, ranks in watched:
+        for bound_input, ranks in connected.watched:
             self._sockets.watch(bound_input, ranks)
         logger.info("engine ranks %s joined", engines.ranks)
         return engines.ranks
-
-    # ------------------------------------------------------------------ receiving
-
-    def _handle_frames(self, frames: Sequence[bytes | zmq.Frame]) -> None:
-        """Route one output-socket message; raises ProtocolError on bad input."""
-        self._apply(self._session.receive(self._wire.decode_outputs(frames)))
-
-    async def _receive_loop(self) -> None:
-        """Receive task for the output socket; ends on close or death, never raises."""
-        socket = self._sockets.output
-        session = self._session
-        self._receiving = True
-        try:
-            while not session.dead:
-                batch: list[list[bytes | zmq.Frame]] = []
-                with anyio.CancelScope() as scope:
-                    self._receive_scope = scope
-                    if session.noticed:
-                        scope.cancel()
-                    # Cancelled while waiting: nothing was dequeued (transport contract).
-                    batch = await socket.receive_batch()
-                self._receive_scope = None
-                for frames in batch:
-                    self._handle_frames(frames)
-                    if self.dead:
-                        return
-                if session.noticed:
-                    await self._drain_after_exit(socket)
-                    self._apply(session.declare_noticed())
-        except anyio.ClosedResourceError:
-            if not self._closing:
-                self._die("output socket closed")
-        except ProtocolError as exc:
-            self._die(f"protocol error on the output socket: {exc}", exc)
-        except Exception as exc:  # cancellation is a BaseException: it passes through
-            self._die(f"receive task failed: {exc!r}", exc)
-        finally:
-            self._receive_scope = None
-            self._receiving = False
-
-    async def _drain_after_exit(self, socket: AsyncSocket) -> None:
-        """Handle what a dead engine sent before its death was noticed: read until the
-        socket has been quiet for a few ms (ZeroMQ's I/O thread may still be moving the
-        last messages from the kernel), at most ``_EXIT_DRAIN_S``."""
-        deadline = anyio.current_time() + _EXIT_DRAIN_S
-        quiet_since: float | None = None
-        while not self.dead:
-            # The deadline is checked on every message, not only when the socket is
-            # empty: with data parallelism other engines share the socket, and one that
-            # keeps it full would otherwise hold the death back until it goes quiet.
-            now = anyio.current_time()
-            if now >= deadline:
-                return
-            try:
-                frames = socket.receive_nowait()
-            except anyio.WouldBlock:
-                if quiet_since is None:
-                    quiet_since = now
-                if now - quiet_since >= _EXIT_QUIET_S:
-                    return
-                await anyio.sleep(0.001)
-                continue
-            quiet_since = None
-            self._handle_frames(frames)
-
-    async def _guard_input(self) -> None:
-        """After startup an engine sends on the input socket only a join's ready
-        response; late words of a retired, lost or failed-join rank are dropped;
-        anything else is a protocol error that makes the client dead. With a monitor
-        (engines whose process we cannot watch), a dropped engine connection is a
-        death too. Ends on close or death, never raises."""
-        monitor = self._sockets.monitor
-        if monitor is None:
-            await self._guard_input_messages()
-            return
-        async with anyio.create_task_group() as tg:
-
-            async def guard_messages() -> None:
-                await self._guard_input_messages()
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(guard_messages)
-            await self._watch_disconnects(monitor)
-            tg.cancel_scope.cancel()
-
-    async def _guard_input_messages(self) -> None:
-        try:
-            while not self.dead:
-                for message in await self._input.receive_batch():
-                    identity = _bytes(message[0]) if message else b""
-                    try:
-                        rank: int | None = rank_for_identity(identity)
-                    except ProtocolError:
-                        rank = None
-                    verdict = self._session.input_message(rank)
-                    join = self._join
-                    if verdict == "join" and join is not None and len(message) == 2:
-                        join.receive_input(identity, _bytes(message[1]))
-                        continue
-                    if verdict == "drop":
-                        logger.debug("dropped a late message from rank %s", rank)
-                        continue
-                    what = "engine" if rank in self._session.ranks else "unexpected identity"
-                    exc = ProtocolError(
-                        f"message on the input socket from {what} {identity.hex() or '(none)'}"
-                        f" (rank {rank}) after startup, {len(message)} frame(s); engines send "
-                        "only their ready response there"
-                    )
-                    self._die(f"protocol error on the input socket: {exc}", exc)
-                    return
-        except anyio.ClosedResourceError:
-            return
-        except Exception as exc:  # cancellation is a BaseException: it passes through
-            self._die(f"input socket failed: {exc!r}", exc)
-
-    async def _watch_disconnects(self, monitor: AsyncSocket) -> None:
-        endpoint_ranks = self._sockets.endpoint_ranks
-        try:
-            while not self.dead:
-                for frames in await monitor.receive_batch():
-                    event = parse_monitor_message([_bytes(f) for f in frames])
-                    if event["event"] != zmq.EVENT_DISCONNECTED or self._closing:
-                        continue
-                    raw_endpoint: object = event["endpoint"]
-                    endpoint = (
-                        raw_endpoint.decode(errors="replace")
-                        if isinstance(raw_endpoint, bytes)
-                        else str(raw_endpoint)
-                    )
-                    if endpoint_ranks and endpoint not in endpoint_ranks:
-                        continue  # an engine whose process exit is watched instead
-                    behind = endpoint_ranks.get(endpoint, [])
-                    ranks = [
-                        r
-                        for r in behind
-                        if self._session.state(r) in (RankState.LIVE, RankState.RETIRING)
-                    ]
-                    if not ranks and behind:
-                        continue  # a retired or already lost engine
-                    message = (
-                        f"lost the connection to an engine on the input socket "
-                        f"({endpoint}): the engine process or its host is gone"
-                    )
-                    if self._session.on_engine_death == "continue" and ranks:
-                        # Several engines of one source behind this endpoint: the
-                        # connection does not say which left, and a headless vLLM
-                        # launcher stops all its engines when one dies (§2.3), so the
-                        # source is the unit that is lost.
-                        for rank in ranks:
-                            self._session.notice_rank(rank, message)
-                    else:
-                        self._session.notice_rank(ranks[0] if len(ranks) == 1 else None, message)
-                    logger.info("%s", message)
-                    self._wake_receiver()
-        except anyio.ClosedResourceError:
-            return
-        except Exception as exc:  # cancellation is a BaseException: it passes through
-            self._die(f"input socket monitor failed: {exc!r}", exc)
 
 
 @contextlib.asynccontextmanager
@@ -917,36 +730,29 @@ async def open_client(
     client: EngineCoreClient | None = None
     body_error: BaseException | None = None
     try:
-        parts, watched = handshake_parts(sockets, source_set)
-        for bound_input, ranks in watched:
-            sockets.watch(bound_input, ranks)
-        run = HandshakeRun(parts, on_progress)
-        handshake_socket = sockets.handshake_socket()
-        handshakes = sockets.bind_handshakes(handshake_socket, source_set.layouts)
 
         def on_exit(process: EngineProcess) -> None:
-            if not run.process_exited(process) and client is not None:
+            if client is not None:
                 client._on_process_exit(process)
 
         async with anyio.create_task_group() as tg:
             try:
-                await start_engines(
-                    run,
+                connected = await connect_engines(
+                    sockets,
                     source_set,
-                    handshake_socket,
-                    handshakes,
                     processes=processes,
                     task_group=tg,
                     on_exit=on_exit,
                     input_socket=sockets.input,
                     ready_timeout=timeout,
+                    on_progress=on_progress,
                 )
-                assert run.complete is not None
-                handshake_socket.close()
+                for bound_input, ranks in connected.watched:
+                    sockets.watch(bound_input, ranks)
                 try:
                     wire = Wire.create(
                         profile=profile,
-                        vllm_version=run.complete.vllm_version,
+                        vllm_version=connected.complete.vllm_version,
                         allow_insecure_serialization=allow_insecure_serialization,
                     )
                 except ProtocolError as exc:
@@ -954,32 +760,32 @@ async def open_client(
                         f"cannot talk to {source_set.describe()}: {exc}. Pin a profile with "
                         "open_client(profile=...) only if you know the wire layout matches."
                     ) from exc
-                wire.set_limits(run.complete.ready_responses)
+                wire.set_limits(connected.complete.ready_responses)
                 client = EngineCoreClient(
                     _Parts(
                         session=session,
                         sockets=sockets,
                         wire=wire,
-                        ready_responses=run.complete.ready_responses,
+                        ready_responses=connected.complete.ready_responses,
                         processes=processes,
                         task_group=tg,
                         stream_buffer=stream_buffer,
                         shutdown_grace=shutdown_grace,
-                        addresses=sockets.addresses(handshakes),
+                        addresses=sockets.addresses(connected.handshakes),
                     )
                 )
                 # An engine may have exited between READY and now.
                 for process in processes:
                     if process.exited.is_set():
                         client._on_process_exit(process)
-                tg.start_soon(client._receive_loop)
-                tg.start_soon(client._guard_input)
+                tg.start_soon(client._receiver.receive_loop)
+                tg.start_soon(client._receiver.guard_input)
                 yield client
             except BaseException as exc:
                 body_error = exc
             finally:
                 if client is not None:
-                    client._closing = True
+                    client._receiver.closing = True
                     client._apply(client._session.close())
                 # The list also holds engines added by add_engines.
                 await stop_processes(processes, shutdown_grace)

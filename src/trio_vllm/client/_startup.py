@@ -47,6 +47,7 @@ __all__ = [
     "Sockets",
     "SourceSet",
     "StartupProgress",
+    "connect_engines",
     "default_ready_timeout",
     "start_engines",
     "stop_processes",
@@ -537,3 +538,59 @@ async def stop_processes(processes: Sequence[EngineProcess], grace: float) -> No
         async with anyio.create_task_group() as tg:
             for process in processes:
                 tg.start_soon(process.stop, grace)
+
+
+@dataclass(frozen=True, slots=True)
+class Connected:
+    """A completed startup or join: what the engines said and where they were sent."""
+
+    complete: HandshakeComplete
+    handshakes: list[str]  # the handshake address each source was given
+    watched: list[tuple[str, list[int]]]  # (bound input, ranks) to watch once they serve
+
+
+async def connect_engines(
+    sockets: Sockets,
+    engines: SourceSet,
+    *,
+    processes: list[EngineProcess],
+    task_group: anyio.abc.TaskGroup,
+    on_exit: Callable[[EngineProcess], None],
+    input_socket: AsyncSocket | None,
+    ready_timeout: float,
+    on_progress: Callable[[StartupProgress], None] | None = None,
+    on_run: Callable[[HandshakeRun], None] | None = None,
+) -> Connected:
+    """The one path from engine sources to ready engines, for startup and for joins:
+    bind the data sockets, bind a handshake socket (closed when done), spawn and
+    watch, serve the handshake. An exit after the handshake went to ``on_exit``
+    (before, it fails the run). ``on_run`` gets the run first (a join's ready
+    responses arrive through the client's input guard). Raises
+    :class:`EngineStartupError`; spawned processes are in ``processes`` either way."""
+    parts, watched = handshake_parts(sockets, engines)
+    run = HandshakeRun(parts, on_progress)
+    if on_run is not None:
+        on_run(run)
+
+    def exited(process: EngineProcess) -> None:
+        if not run.process_exited(process):
+            on_exit(process)
+
+    handshake_socket = sockets.handshake_socket()
+    try:
+        addresses = sockets.bind_handshakes(handshake_socket, engines.layouts)
+        await start_engines(
+            run,
+            engines,
+            handshake_socket,
+            addresses,
+            processes=processes,
+            task_group=task_group,
+            on_exit=exited,
+            input_socket=input_socket,
+            ready_timeout=ready_timeout,
+        )
+    finally:
+        handshake_socket.close()
+    assert run.complete is not None
+    return Connected(run.complete, addresses, watched)
