@@ -17,6 +17,7 @@ from ._exceptions import ProtocolError as ProtocolError
 from ._exceptions import TrioVllmError as TrioVllmError
 from ._exceptions import UnroutableError as UnroutableError
 from ._exceptions import UtilityCallError as UtilityCallError
+from ._public import publish
 from ._version import __version__ as __version__
 from .protocol import ENGINE_CORE_DEAD as ENGINE_CORE_DEAD
 from .protocol import PROFILES as PROFILES
@@ -61,8 +62,9 @@ if TYPE_CHECKING:
     from .client import new_request_id as new_request_id
     from .client import open_client as open_client
     from .client import prepare_sampling_params as prepare_sampling_params
-    from .client._inproc import InprocEngine as InprocEngine
+    from .inproc import InprocEngine as InprocEngine
     from .sync import SyncClient as SyncClient
+    from .sync import SyncEngineEvents as SyncEngineEvents
     from .sync import SyncRequestStream as SyncRequestStream
 
 _LAZY: dict[str, str] = {
@@ -79,8 +81,9 @@ _LAZY: dict[str, str] = {
     "new_request_id": ".client",
     "open_client": ".client",
     "prepare_sampling_params": ".client",
-    "InprocEngine": ".client._inproc",
+    "InprocEngine": ".inproc",
     "SyncClient": ".sync",
+    "SyncEngineEvents": ".sync",
     "SyncRequestStream": ".sync",
 }
 
@@ -125,6 +128,9 @@ __all__ = [
 ]
 
 
+publish(__name__, globals(), __all__)
+
+
 def __getattr__(name: str) -> Any:
     """PEP 562: import the client-side names on first access (then cached here)."""
     if name in _LAZY_SUBMODULES:  # ``import trio_vllm; trio_vllm.client`` worked before
@@ -133,6 +139,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(module, __name__), name)
+    publish(__name__, {name: value}, [name])
     globals()[name] = value
     return value
 

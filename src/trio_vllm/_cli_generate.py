@@ -312,6 +312,7 @@ async def _generate(args: argparse.Namespace, prompts: list[tuple[list[int], boo
                 if eos is None and isinstance(engines, ReferenceEngines):
                     # The reference engine's worker reports its vocabulary's EOS id.
                     (info, *_) = await client.collective_rpc("reference_engine_info")
+                    assert isinstance(info, dict)
                     eos = int(info["eos_token_id"])
                 requests = [
                     make_request(

@@ -129,8 +129,12 @@ def _union(results: list[Any]) -> set[int]:
     return {lora_id for result in results for lora_id in result}
 
 
-def _concat(results: list[Any]) -> list[Any]:
+def _concat(results: list[Any]) -> list[object]:
     return [item for result in results for item in result]
+
+
+def _checksums(results: list[Any]) -> list[dict[str, str]]:
+    return [dict(item) for result in results for item in result]
 
 
 # ---------------------------------------------------------------------- the table
@@ -274,7 +278,7 @@ def set_weight_version(weight_version: str) -> list[object]:
     return [weight_version]
 
 
-@utility("all", _concat)
+@utility("all", _checksums)
 def compute_weight_checksums() -> list[object]:
     """Weight checksums, one map per worker, concatenated over engines."""
     return []
