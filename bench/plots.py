@@ -1,15 +1,16 @@
 """Charts from ``trio-vllm bench ... --json`` results, for ``docs/performance.md``.
 
-* ``throughput.png`` from a firehose result: outputs/s against concurrency (requests
-  or stream consumers in flight), one panel per outputs-per-message setting, every
-  case of the run with its ratio to the blocking ceiling (a).
+* ``throughput.png`` from a firehose result: one bar per case (outputs/s, with its
+  ratio to the blocking ceiling a), one panel per outputs-per-message setting and
+  mode (live, backlog);
 * ``latency_cdf.png`` from a latency result run with ``--samples``: the CDF of the
   ADD -> first output round trip of each case, one panel per backend.
 
-Each chart is titled with the machine and the date the figures were measured.
+Each chart is titled with the machine, the commit measured, the load average and the
+date of the run (all from the result's ``machine`` record).
 
     python bench/plots.py --firehose bench/results/firehose.json \\
-        --latency bench/results/latency.json --out bench/results
+        --latency bench/results/latency.json --out docs/images
 """
 
 from __future__ import annotations
@@ -41,45 +42,66 @@ _LATENCY_STYLE = {
 
 def _subtitle(result: dict[str, Any]) -> str:
     m = result["machine"]
-    return f"{m['cpu']}, {m['cores']} cores, Python {m['python']} - {m['date']}"
+    load = m.get("load_avg") or ([m["load_1min"]] if m.get("load_1min") is not None else None)
+    parts = [
+        f"{m['cpu']}, {m['cores']} cores, Python {m['python']}",
+        f"commit {m.get('commit') or 'unknown'}",
+        "load " + ("/".join(f"{x:.1f}" for x in load) if load else "unknown"),
+        m["date"],
+    ]
+    return " - ".join(parts)
+
+
+def _case_label(key: str, case: dict[str, Any]) -> str:
+    if key in _CASE_STYLE:
+        return _CASE_STYLE[key][0]
+    backend = "trio" if key.startswith("d") else "asyncio"
+    return f"{key[0]}: streams, {case['consumers']} consumers, {backend}"
+
+
+def _case_color(key: str) -> str:
+    if key in _CASE_STYLE:
+        return _CASE_STYLE[key][1]
+    return "tab:purple" if key.startswith("d") else "tab:olive"
+
+
+def _short_rate(value: float, _pos: object = None) -> str:
+    if value >= 1e6:
+        return f"{value / 1e6:.1f}M"
+    return f"{value / 1e3:.0f}k" if value else "0"
 
 
 def plot_throughput(result: dict[str, Any], out: Path) -> Path:
-    panels = [(run, mode) for mode in ("live", "backlog") for run in result["runs"] if mode in run]
-    cols = len(result["runs"])
+    panels = [(run, mode) for run in result["runs"] for mode in ("live", "backlog") if mode in run]
+    cols = min(2, len(panels))
     rows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(6.6 * cols, 6.2 * rows), squeeze=False)
+    height = max(len(run[mode]["cases"]) for run, mode in panels) * 0.42 + 1.6
+    fig, axes = plt.subplots(rows, cols, figsize=(7.2 * cols, height * rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
     for ax, (run, mode) in zip(axes.flat, panels, strict=False):
         cases = run[mode]["cases"]
         ceiling = cases["a"]["outputs_per_s"]
-        for i, (key, (label, color, marker)) in enumerate(_CASE_STYLE.items()):
-            if key not in cases:
-                continue
-            rate = cases[key]["outputs_per_s"]
-            # Spread the cases at the same concurrency a little so none hides another.
-            x = run["requests"] * 1.18**i
-            ax.scatter([x], [rate], color=color, marker=marker, s=60, zorder=3,
-                       label=f"{label}  ({rate / ceiling:.2f} x a)")  # fmt: skip
-        streams = sorted(
-            (c["consumers"], c["outputs_per_s"]) for k, c in cases.items() if k.startswith("d")
-        )
-        if streams:
-            xs, ys = zip(*streams, strict=True)
-            ratios = ", ".join(f"{y / ceiling:.2f}" for y in ys)
-            ax.plot(xs, ys, color="tab:purple", marker="v", markersize=8,
-                    label=f"d: one stream per request, trio  ({ratios} x a)")  # fmt: skip
-        ax.axhline(ceiling, color="black", linewidth=0.8, linestyle=":")
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("requests in flight (a, b, c, e) / stream consumers (d)")
-        ax.set_ylabel("outputs (tokens) per second")
+        keys = list(cases)  # the run's order: a first
+        rates = [cases[k]["outputs_per_s"] for k in keys]
+        ys = range(len(keys))
+        ax.barh(ys, rates, color=[_case_color(k) for k in keys], height=0.6, zorder=3)
+        for y, rate in zip(ys, rates, strict=True):
+            ax.text(rate, y, f"  {rate:,.0f}  ({rate / ceiling:.2f} x a)", va="center",
+                    fontsize=8)  # fmt: skip
+        ax.set_yticks(list(ys), [_case_label(k, cases[k]) for k in keys], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(rates) * 1.45)
+        ax.set_xlabel("outputs (tokens) per second")
         how = "live: read while the engine sends" if mode == "live" else "backlog: drain"
-        ax.set_title(f"{run['batch']} output(s) per engine message - {how}", fontsize=10)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1,
-                  frameon=False)  # fmt: skip
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    fig.suptitle("Firehose throughput, one run, the same reference engine for every case\n"
+        ax.set_title(
+            f"{run['batch']} output(s) per engine message, {run['requests']} requests - {how}",
+            fontsize=10,
+        )
+        ax.grid(True, axis="x", alpha=0.3, zorder=0)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_short_rate))
+    fig.suptitle("Firehose throughput, one run, a fresh reference engine per case\n"
                  + _subtitle(result), fontsize=10)  # fmt: skip
     fig.tight_layout()
     path = out / "throughput.png"
@@ -145,7 +167,7 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
                 out.append("| --- | --: | --: | --: | --: |")
                 a = res["cases"]["a"]["outputs_per_s"]
                 for key, c in res["cases"].items():
-                    name = _NAMES.get(key) or f"d: streams, {c['consumers']} consumers, trio"
+                    name = _NAMES.get(key) or _case_label(key, c)
                     out.append(
                         f"| {name} | {c['outputs_per_s']:,.0f} | {c['messages_per_s']:,.0f} | "
                         f"{c['outputs_per_s'] / a:.2f} | {c['cpu_us_per_message']:.1f} |"
@@ -202,7 +224,7 @@ def main() -> None:
     parser.add_argument("--latency", type=Path, help="JSON of `trio-vllm bench latency`")
     parser.add_argument("--idle", type=Path, help="JSON of `trio-vllm bench idle`")
     parser.add_argument("--startup", type=Path, help="JSON of `trio-vllm bench startup`")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=Path("docs/images"))
     parser.add_argument("--markdown", action="store_true",
                         help="print markdown tables of the figures instead of charts")  # fmt: skip
     args = parser.parse_args()

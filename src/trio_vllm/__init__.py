@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ._exceptions import EngineDeadError as EngineDeadError
 from ._exceptions import EngineStartupError as EngineStartupError
 from ._exceptions import InsecureSerializationError as InsecureSerializationError
+from ._exceptions import InvalidRequestError as InvalidRequestError
 from ._exceptions import ProtocolError as ProtocolError
 from ._exceptions import TrioVllmError as TrioVllmError
 from ._exceptions import UnroutableError as UnroutableError
@@ -66,6 +67,13 @@ if TYPE_CHECKING:
     from .sync import SyncClient as SyncClient
     from .sync import SyncEngineEvents as SyncEngineEvents
     from .sync import SyncRequestStream as SyncRequestStream
+    from .text import CompletionOutput as CompletionOutput
+    from .text import Logprob as Logprob
+    from .text import ModelFiles as ModelFiles
+    from .text import RequestOutput as RequestOutput
+    from .text import TextPrompt as TextPrompt
+    from .text import Tokenizer as Tokenizer
+    from .text import TokensPrompt as TokensPrompt
 
 _LAZY: dict[str, str] = {
     "EngineCoreClient": ".client",
@@ -85,9 +93,16 @@ _LAZY: dict[str, str] = {
     "SyncClient": ".sync",
     "SyncEngineEvents": ".sync",
     "SyncRequestStream": ".sync",
+    "CompletionOutput": ".text",
+    "Logprob": ".text",
+    "ModelFiles": ".text",
+    "RequestOutput": ".text",
+    "TextPrompt": ".text",
+    "Tokenizer": ".text",
+    "TokensPrompt": ".text",
 }
 
-_LAZY_SUBMODULES = frozenset({"client", "sync", "transport"})
+_LAZY_SUBMODULES = frozenset({"client", "sync", "text", "transport"})
 
 __all__ = [
     "ENGINE_CORE_DEAD",
@@ -104,6 +119,7 @@ __all__ = [
     "EngineStartupError",
     "FinishReason",
     "InsecureSerializationError",
+    "InvalidRequestError",
     "LoRARequest",
     "LogprobsLists",
     "LogprobsTensors",

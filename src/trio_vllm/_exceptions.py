@@ -3,7 +3,8 @@
 Named by cause, as trio does: *Protocol* (the peer sent something we cannot accept),
 *EngineDead* (an engine is gone; nothing more will come from it), *EngineStartup*
 (an engine never became ready), *UtilityCall* (the engine ran a utility and it failed),
-*Unroutable* (a ROUTER send to an identity that has no connection).
+*Unroutable* (a ROUTER send to an identity that has no connection), *InvalidRequest*
+(the text layer refused a request before sending it).
 
 Errors that anyio already names (``anyio.ClosedResourceError`` for a resource you
 closed yourself, ``anyio.BrokenResourceError``, ``anyio.BusyResourceError``) are
@@ -16,6 +17,7 @@ __all__ = [
     "EngineDeadError",
     "EngineStartupError",
     "InsecureSerializationError",
+    "InvalidRequestError",
     "ProtocolError",
     "TrioVllmError",
     "UnroutableError",
@@ -73,3 +75,13 @@ class UtilityCallError(TrioVllmError):
 
 class UnroutableError(TrioVllmError):
     """A ROUTER send named an identity that has no live connection (``ROUTER_MANDATORY``)."""
+
+
+class InvalidRequestError(TrioVllmError, ValueError):
+    """A request the text layer refuses before anything is sent to an engine.
+
+    Bad sampling parameters, a prompt that does not fit (the message then says
+    "maximum context length"), a token id outside the vocabulary, a malformed chat
+    message, a value msgpack cannot encode. The message says what was wrong; the
+    server answers it with HTTP 400.
+    """

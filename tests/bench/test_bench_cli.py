@@ -146,3 +146,28 @@ def test_help_lists_benchmarks() -> None:
                           check=True)  # fmt: skip
     for name in ("firehose", "latency", "idle", "startup", "sync"):
         assert name in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_firehose_asyncio_streams_and_the_run_record(tmp_path: Path) -> None:
+    # f: the stream case on asyncio (what bench/bench_client.py measured before it was
+    # merged into `trio-vllm bench firehose`).
+    result = bench("firehose", "--batch", "3", "--messages", "60", "--requests", "2",
+                   "--consumers", "4", "--mode", "live", "--stream-backends", "trio,asyncio",
+                   timeout=230)  # fmt: skip
+    (run,) = result["runs"]
+    cases = run["live"]["cases"]
+    assert set(cases) == {"a", "b", "b+", "c", "d4", "f4"}
+    assert cases["f4"]["consumers"] == 4
+    assert cases["f4"]["outputs"] == cases["d4"]["outputs"] == 4 * 45
+    assert run["live"]["ratios"]["f4/c"] > 0
+    machine = result["machine"]
+    assert len(machine["load_avg"]) == 3
+    assert machine["commit"] is None or len(machine["commit"].split("+")[0]) == 12
+    plots = load_plots()
+    subtitle = plots._subtitle(result)
+    assert f"commit {machine['commit'] or 'unknown'}" in subtitle
+    assert "load " in subtitle
+    assert machine["date"] in subtitle
+    check_png(plots.plot_throughput(result, tmp_path))
+    assert "| f: streams, 4 consumers, asyncio |" in plots.markdown({"firehose": result})

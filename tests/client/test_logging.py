@@ -21,7 +21,7 @@ async def test_startup_and_death_are_logged(caplog: pytest.LogCaptureFixture) ->
         ready = [r for r in caplog.records if r.getMessage().startswith("engines ready")]
         assert len(ready) == 1
         assert ready[0].levelno == logging.INFO
-        assert any(r.getMessage().startswith("spawned reference engine 0") for r in caplog.records)
+        assert any(r.getMessage().startswith("starting 1 reference engine") for r in caplog.records)
         caplog.clear()
         async with client.generate(make_request([1], max_tokens=4)) as stream:
             await stream.collect()

@@ -24,7 +24,7 @@ from ..protocol.profiles import profile_for_version
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
-ENGINE_IDENTITY = b"\x00\x00"  # rank 0 (PROTOCOL.md §2: 2-byte little-endian rank)
+ENGINE_IDENTITY = b"\x00\x00"  # rank 0 (docs/protocol.md §2: 2-byte little-endian rank)
 PROTOCOL_VERSION = "0.32.0"
 
 
@@ -136,6 +136,29 @@ def direct_engine(*, firehose: int = 0, ready_timeout: float = 120.0) -> Iterato
         scratch.close()
 
 
+def _commit() -> str | None:
+    """The git commit of the measured source (``+dirty`` with local changes), if any."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no", "--", "."],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None  # an installed package, or no git
+    return f"{head}+dirty" if dirty else head or None
+
+
 def machine() -> dict[str, Any]:
     """Where and when a result was measured."""
     cpu = platform.processor() or platform.machine()
@@ -146,11 +169,14 @@ def machine() -> dict[str, Any]:
                 break
     from .._version import __version__
 
+    load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": _commit(),
         "cpu": cpu,
         "cores": os.cpu_count(),
-        "load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "load_1min": load[0] if load else None,
+        "load_avg": load,  # 1, 5, 15 minutes, when the result is written
         "python": platform.python_version(),
         "platform": platform.platform(terse=True),
         "pyzmq": zmq.__version__,

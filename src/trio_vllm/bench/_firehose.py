@@ -8,7 +8,8 @@ b. trio-vllm's raw batch API (``add_request`` + ``get_output``) on trio; ``b+`` 
    same, draining what is queued with ``get_output_nowait`` after each ``get_output``;
 c. the same on asyncio (through anyio);
 d. one ``generate`` stream per request, one consumer task each, with C concurrent
-   consumers (default 256 and 4096), on trio;
+   consumers (default 256 and 4096), on trio; ``f`` the same on asyncio (with
+   ``--stream-backends trio,asyncio``; it was ``bench/bench_client.py``'s stream case);
 e. with ``--vllm-python``: vLLM's own ``AsyncMPClient`` in that python, reading a
    reference engine connected to the sockets it bound.
 
@@ -218,6 +219,8 @@ _LABELS = {
 def _label(key: str) -> str:
     if key.startswith("d"):
         return f"d  trio-vllm streams, {key[1:]} consumers, trio"
+    if key.startswith("f"):
+        return f"f  trio-vllm streams, {key[1:]} consumers, asyncio"
     return _LABELS[key]
 
 
@@ -230,6 +233,7 @@ def _run_cases(
     vllm_python: str | None,
     backlog: float,
     progress: bool,
+    stream_backends: tuple[str, ...] = ("trio",),
 ) -> dict[str, Any]:
     total = messages * batch
     tokens = max(1, total // requests)
@@ -253,13 +257,14 @@ def _run_cases(
     note("b+")
     cases["c"] = anyio.run(run_raw_api, batch, requests, tokens, False, backlog, backend="asyncio")
     note("c")
-    for n in consumers:
-        # At least 32 outputs per stream, so the run measures streaming, not ADDs.
-        per_stream = max(32, total // n)
-        key = f"d{n}"
-        cases[key] = anyio.run(run_streams, batch, n, per_stream, backlog, backend="trio")
-        cases[key]["consumers"] = n
-        note(key)
+    for backend in stream_backends:
+        for n in consumers:
+            # At least 32 outputs per stream, so the run measures streaming, not ADDs.
+            per_stream = max(32, total // n)
+            key = f"{'d' if backend == 'trio' else 'f'}{n}"
+            cases[key] = anyio.run(run_streams, batch, n, per_stream, backlog, backend=backend)
+            cases[key]["consumers"] = n
+            note(key)
     errors: dict[str, str] = {}
     if vllm_python:
         try:
@@ -283,6 +288,8 @@ def _run_cases(
 
     pairs = [("b", "a"), ("b+", "a"), ("c", "a"), ("b", "e"), ("e", "a")]
     pairs += [(f"d{n}", "b") for n in consumers]
+    if "asyncio" in stream_backends:
+        pairs += [(f"f{n}", "c") for n in consumers]
     return {
         "backlog_s": backlog,
         "outputs_per_request": tokens,
@@ -302,6 +309,7 @@ def run_one_batch(
     vllm_python: str | None,
     modes: list[str],
     progress: bool,
+    stream_backends: tuple[str, ...] = ("trio",),
 ) -> dict[str, Any]:
     """Every case at ``batch`` outputs per message, live and/or from a backlog.
 
@@ -317,6 +325,7 @@ def run_one_batch(
         consumers=consumers,
         vllm_python=vllm_python,
         progress=progress,
+        stream_backends=stream_backends,
     )
     if "live" in modes:
         result["live"] = _run_cases(batch, backlog=0.0, **kwargs)  # type: ignore[arg-type]
@@ -344,6 +353,7 @@ def run(args: Any) -> int:
             vllm_python=args.vllm_python,
             modes=[m for m in str(args.mode).split(",") if m],
             progress=not args.json and not args.quiet,
+            stream_backends=tuple(b for b in str(args.stream_backends).split(",") if b),
         )
         for b in batches
     ]

@@ -3,8 +3,10 @@
 Every process is started in its own session (process group), so that a launcher's
 children (a ``vllm serve --headless`` launcher forks engine cores, which fork
 workers) can be killed with it. Its stdout and stderr are merged into one pipe that a
-task drains all the time, keeping the last lines in a bounded ring for error messages;
-the pipe is never left full, so a chatty engine never blocks on a write.
+task drains all the time, keeping the last lines in a bounded ring for error messages
+and forwarding each line to the ``trio_vllm.engine.<rank>`` logger (``trio_vllm._log``:
+a bounded queue and a thread, so a slow log handler never stalls the event loop); the
+pipe is never left full, so a chatty engine never blocks on a write.
 
 Shutdown is SIGTERM to the process (to its whole group if it already exited: a
 launcher may quit before its children), a grace period that also covers group members
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -23,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
+
+from .._log import ENGINE_LOGGER, forward_engine_line
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +40,8 @@ _MAX_LINE = 2000
 # Short: the exit must reach waiters within 100 ms, and grandchildren may hold the pipe.
 _FINAL_DRAIN_S = 0.03
 _KILL_WAIT_S = 5.0
+
+_log = logging.getLogger("trio_vllm.client")
 
 
 class EngineProcess:
@@ -54,6 +61,10 @@ class EngineProcess:
         self.returncode: int | None = None
         self.exited = anyio.Event()
         self._eof = anyio.Event()
+        # A launcher serving several ranks logs under its first rank.
+        self._engine_log = logging.getLogger(
+            f"{ENGINE_LOGGER}.{self.ranks[0] if self.ranks else name}"
+        )
 
     def __repr__(self) -> str:
         return f"<EngineProcess {self.name} pid={self.pid} ranks={list(self.ranks)}>"
@@ -88,11 +99,15 @@ class EngineProcess:
         data = self._partial + data
         *lines, self._partial = data.split(b"\n")
         for line in lines:
-            self._tail.append(line.decode("utf-8", "replace").rstrip("\r")[:_MAX_LINE])
+            self._line(line.decode("utf-8", "replace").rstrip("\r")[:_MAX_LINE])
         if len(self._partial) > _MAX_LINE * 4:
             # A huge line without newline: keep its start; the ring stays bounded.
-            self._tail.append(self._partial[:_MAX_LINE].decode("utf-8", "replace"))
+            self._line(self._partial[:_MAX_LINE].decode("utf-8", "replace"))
             self._partial = b""
+
+    def _line(self, line: str) -> None:
+        self._tail.append(line)
+        forward_engine_line(self._engine_log, line, self.pid)
 
     async def _drain(self) -> None:
         stream = self.process.stdout
@@ -121,6 +136,10 @@ class EngineProcess:
             with anyio.move_on_after(_FINAL_DRAIN_S):
                 await self._eof.wait()
             tg.cancel_scope.cancel()
+        if self._partial:  # a last line without newline
+            self._line(self._partial.decode("utf-8", "replace")[:_MAX_LINE])
+            self._partial = b""
+        _log.debug("%s (pid %d) exited with code %s", self.name, self.pid, self.returncode)
         self.exited.set()
         on_exit(self)
 
@@ -152,6 +171,13 @@ class EngineProcess:
                     await anyio.sleep(0.05)
             # Kill whatever is left of the group (the process itself if it ignored
             # SIGTERM, or children a launcher left behind).
+            if _group_has_live_members(self.pid):
+                _log.warning(
+                    "%s (pid %d) or its children outlived the %.1f s grace period: killing",
+                    self.name,
+                    self.pid,
+                    grace,
+                )
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, signal.SIGKILL)
             with anyio.move_on_after(_KILL_WAIT_S):
@@ -217,4 +243,7 @@ async def spawn_engine_process(
             cwd=cwd,
             start_new_session=True,
         )
+    _log.debug(
+        "spawned %s (pid %d, ranks %s): %s", name, process.pid, list(ranks), " ".join(command)
+    )
     return EngineProcess(process, name=name, ranks=ranks)

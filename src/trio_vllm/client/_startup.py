@@ -504,10 +504,7 @@ async def start_engines(
                     "executable and the command line."
                 ) from exc
             processes.extend(spawned)
-            for process in spawned:
-                logger.info(
-                    "spawned %s (pid %d, ranks %s)", process.name, process.pid, process.ranks
-                )
+            for process in spawned:  # _process.py logs each spawn
                 task_group.start_soon(process.watch, on_exit)
         run.report(None)
         async with anyio.create_task_group() as tg:

@@ -1,4 +1,4 @@
-"""Tensor and ndarray payloads: the ``[dtype, shape, data]`` triple of PROTOCOL.md §4.6.
+"""Tensor and ndarray payloads: the ``[dtype, shape, data]`` triple of docs/protocol.md §4.6.
 
 torch is imported lazily, the first time a torch-layout tensor is decoded or encoded, so
 ``import trio_vllm`` and every message without tensors work where torch is missing. That

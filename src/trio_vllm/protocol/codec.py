@@ -588,7 +588,7 @@ class ClientCodec(_CodecBase):
         """``[ADD][EngineCoreRequest][aux...]`` for ``request``.
 
         Validates first (``ValueError`` for anything that would wedge or kill a stock
-        engine, PROTOCOL.md §3.7/§10; see :func:`.validate_request`). Uniqueness of
+        engine, docs/protocol.md §3.7/§10; see :func:`.validate_request`). Uniqueness of
         ``request_id`` among live requests is the caller's to guarantee.
         """
         if not isinstance(request, EngineCoreRequest):

@@ -1,4 +1,4 @@
-"""Client side of the engine startup handshake (PROTOCOL.md §2), sans-I/O.
+"""Client side of the engine startup handshake (docs/protocol.md §2), sans-I/O.
 
 The machine is fed ``(identity, payload)`` pairs as they arrive on the two
 sockets that take part in startup and answers with a list of events; it never
@@ -16,7 +16,7 @@ Rules of this file:
   response on the input socket may arrive before or after ``READY`` (the engine
   sends it first, but on another socket), never before ``HELLO`` (the engine only
   learns the input address from our reply).
-* Every error of PROTOCOL.md §2.4 (unexpected rank, local/headless mismatch, a
+* Every error of docs/protocol.md §2.4 (unexpected rank, local/headless mismatch, a
   message in the wrong state, undecodable payloads, engines disagreeing on
   ``parallel_config_hash`` or ``vllm_version``) raises :class:`ProtocolError` and
   moves the machine to ``ERROR``; any later use raises again. The caller turns that
@@ -190,7 +190,7 @@ class _Config:
 
 
 class ClientHandshake:
-    """The frontend's handshake with a fixed set of engine ranks (PROTOCOL.md §2.2/§2.3).
+    """The frontend's handshake with a fixed set of engine ranks (docs/protocol.md §2.2/§2.3).
 
     Args:
         ranks: the data-parallel ranks expected to connect (identities ``rank`` as 2

@@ -1,6 +1,6 @@
 """Sans-I/O data-parallel bookkeeping: which engine gets a request, and DP waves.
 
-:class:`LoadBalancer` picks the engine for each request (PROTOCOL.md §7.3): a pinned
+:class:`LoadBalancer` picks the engine for each request (docs/protocol.md §7.3): a pinned
 rank if given, else the least loaded live rank, where load is
 ``max(own in-flight count, waiting + running from the engine's latest
 scheduler_stats)``; ties go to the lowest rank (deterministic; vLLM rotates its
@@ -115,7 +115,7 @@ class WaveTracker:
     """The coordinator's wave role, kept by the client (MoE DP without a coordinator).
 
     ``current_wave`` is the wave the engines run or will run next; ``running`` is
-    whether the client believes they run. Race (PROTOCOL.md §7.4): a request sent
+    whether the client believes they run. Race (docs/protocol.md §7.4): a request sent
     while the client believed wave ``w`` running (so no START_DP_WAVE went out) may
     reach its engine after every rank agreed that ``w`` is over; that engine would then
     step alone. So when ``wave_complete(w)`` arrives, requests were sent during ``w``

@@ -1,4 +1,4 @@
-"""The engine-core messages as msgspec structs, mirroring vLLM's (PROTOCOL.md §2-6).
+"""The engine-core messages as msgspec structs, mirroring vLLM's (docs/protocol.md §2-6).
 
 Field names, order and defaults are vLLM's. Each class holds the *union* of the fields
 of the supported releases, laid out as the newest release (0.33.0) does; a field that
@@ -191,7 +191,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     ``skip_reading_prefix_cache`` becomes a bool, ``seed=-1`` means no seed, greedy
     sampling (``temperature < 1e-5``) resets ``top_p``/``top_k``/``min_p``, and tiny
     positive temperatures are raised to 0.01. Send ``max_tokens`` and ``temperature``
-    explicitly, and ``_eos_token_id`` unless ``ignore_eos`` (PROTOCOL.md §10).
+    explicitly, and ``_eos_token_id`` unless ``ignore_eos`` (docs/protocol.md §10).
     """
 
     n: int = 1

@@ -266,9 +266,20 @@ class EngineServer:
 
     def _load_model(self) -> None:
         opts = self.options
-        self.model = load_model(
-            opts.model, seed=opts.seed, device=opts.device, max_model_len=opts.max_model_len
-        )
+        try:
+            self.model = load_model(
+                opts.model, seed=opts.seed, device=opts.device, max_model_len=opts.max_model_len
+            )
+        except ModuleNotFoundError as exc:
+            if exc.name != "torch":
+                raise
+            # A setup problem, not a crash: one line that says what to install.
+            _log(
+                f"the {opts.model} model needs torch, which is not installed: "
+                "pip install 'trio-vllm[torch]' (or use --model echo)"
+            )
+            _log("EngineCore failed to start.")
+            raise _Stop(1) from None
         per_seq = -(-opts.max_model_len // opts.block_size)
         blocks = opts.num_gpu_blocks or opts.max_num_seqs * per_seq
         self.num_gpu_blocks = blocks

@@ -13,6 +13,9 @@ Fixtures (function scope):
 The async fixture works under anyio's plugin (``@pytest.mark.anyio``, either backend)
 and under pytest-trio (``@pytest.mark.trio`` or trio mode): both run an async generator
 fixture's setup and teardown in one task, which ``open_client`` requires.
+
+Loaded in every pytest run wherever trio-vllm is installed, so it imports only pytest
+at the top; the kit (trio, anyio, zmq, the client) is imported when a fixture runs.
 """
 
 from __future__ import annotations
@@ -21,9 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ._clock import engine_mock_clock
-from ._engines import EngineConfig, open_reference_engines
-
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from ..client import EngineCoreClient
     from ._control import EngineControl
-    from ._engines import ReferenceEngineSet
+    from ._engines import EngineConfig, ReferenceEngineSet
 
 MARKER = "reference_engines"
 
@@ -53,6 +53,8 @@ def reference_engine_config(request: pytest.FixtureRequest) -> EngineConfig:
     (an :class:`EngineConfig`, which replaces the result so far, or a dict of fields).
     Override the fixture to set project-wide defaults.
     """
+    from ._engines import EngineConfig
+
     config = EngineConfig()
     marker = request.node.get_closest_marker(MARKER)
     if marker is not None:
@@ -75,6 +77,8 @@ async def reference_engines(
     reference_engine_config: EngineConfig,
 ) -> AsyncIterator[ReferenceEngineSet]:
     """Running reference engines with a connected client and their controls."""
+    from ._engines import open_reference_engines
+
     async with open_reference_engines(reference_engine_config) as engines:
         yield engines
 
@@ -94,4 +98,6 @@ def engine_control(reference_engines: ReferenceEngineSet) -> EngineControl:
 @pytest.fixture
 def engine_clock() -> trio.testing.MockClock:
     """A trio MockClock for tests with engines (autojump after 0.25 s of real idleness)."""
+    from ._clock import engine_mock_clock
+
     return engine_mock_clock()

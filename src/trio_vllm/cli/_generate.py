@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from .client import EngineCoreClient, EngineSource, StartupProgress
+    from ..client import EngineCoreClient, EngineSource, StartupProgress
 
 __all__ = ["add_generate_parser", "run_generate"]
 
@@ -140,7 +140,7 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _engine_source(args: argparse.Namespace) -> EngineSource:
-    from .client import ExternalEngines, ReferenceEngines, VllmEngines
+    from ..client import ExternalEngines, ReferenceEngines, VllmEngines
 
     if args.engines < 1:
         raise _UsageError("--engines must be at least 1")
@@ -288,7 +288,7 @@ def _short_name(args: argparse.Namespace) -> str:
 async def _generate(args: argparse.Namespace, prompts: list[tuple[list[int], bool]]) -> int:
     import anyio
 
-    from .client import ReferenceEngines, make_request, open_client
+    from ..client import ReferenceEngines, make_request, open_client
 
     engines = _engine_source(args)
     out, err = sys.stdout, sys.stderr
@@ -409,7 +409,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """Run ``trio-vllm generate``; returns the exit status."""
     import trio
 
-    from ._exceptions import EngineDeadError, EngineStartupError, TrioVllmError
+    from .._exceptions import EngineDeadError, EngineStartupError, TrioVllmError
 
     try:
         prompts = [(list(text.encode("utf-8")), True) for text in args.prompts]

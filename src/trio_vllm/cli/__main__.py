@@ -1,0 +1,7 @@
+"""``python -m trio_vllm.cli``: the ``trio-vllm`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

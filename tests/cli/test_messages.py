@@ -1,0 +1,140 @@
+"""What a user can get wrong or interrupt ends in one line on stderr and an exit status.
+
+Every test runs the real command in a subprocess. ``_site/sitecustomize.py`` (put on the
+child's PYTHONPATH) hides modules or blocks an import, for the cases a user meets on
+another machine: torch not installed, Ctrl-C while the command is still importing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import trio_vllm
+
+CLI = [sys.executable, "-m", "trio_vllm.cli"]
+SITE = Path(__file__).parent / "_site"
+SRC = Path(trio_vllm.__file__).parent.parent
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(SRC), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def run(*args: str, timeout: float = 100, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout, check=False, env=_env(**env)
+    )
+
+
+def one_line_error(result: subprocess.CompletedProcess[str], status: int) -> str:
+    assert result.returncode == status, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "usage"),
+    [
+        (["generate", "--bogus"], "usage: trio-vllm generate "),
+        (["bench", "latency", "--bogus"], "usage: trio-vllm bench latency "),
+        (["wire", "check", "x", "--bogus"], "usage: trio-vllm wire check "),
+    ],
+)
+def test_an_unknown_option_prints_the_usage_of_its_subcommand(args: list[str], usage: str) -> None:
+    err = one_line_error(run(*args), 2)
+    assert err.startswith(usage), err
+    assert err.rstrip().endswith("error: unrecognized arguments: --bogus")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["bench", "latency", "--rounds", "-3"], "argument --rounds: must be at least 1, got -3"),
+        (["bench", "startup", "--backend", "foo"], "unknown 'foo' (choose from trio, asyncio)"),
+        (["bench", "sync", "--backend", "trio,curio"], "unknown 'curio'"),
+        (["bench", "idle", "--seconds", "0"], "argument --seconds: must be a positive number"),
+        (["bench", "firehose", "--batch", "0"], "argument --batch: must be at least 1"),
+        (["bench", "firehose", "--mode", "fast"], "unknown 'fast' (choose from live, backlog)"),
+    ],
+)
+def test_bad_bench_arguments_are_usage_errors(args: list[str], message: str) -> None:
+    err = one_line_error(run(*args), 2)
+    assert f"trio-vllm {' '.join(args[:2])}: error: " in err
+    assert message in err
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["bench"], ["bench", "firehose"]])
+def test_help_is_plain_text_fitted_to_the_terminal(command: list[str]) -> None:
+    result = run(*command, "--help", COLUMNS="60")
+    assert result.returncode == 0, result.stderr
+    assert "``" not in result.stdout
+    assert ":class:" not in result.stdout
+    assert "-v, --verbose" in run("--help").stdout
+    lines = result.stdout.splitlines()
+    if "examples:" in lines:  # command lines are kept as written
+        lines = lines[: lines.index("examples:")]
+    assert all(len(line) <= 60 for line in lines), [line for line in lines if len(line) > 60]
+
+
+def test_output_to_a_full_disk_is_one_line() -> None:
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [*CLI, "generate", "hello", "--json"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=100,
+            check=False,
+            env=_env(),
+        )
+    err = one_line_error(result, 1)
+    assert err.splitlines()[-1] == "trio-vllm generate: error: No space left on device"
+
+
+def test_the_tiny_model_without_torch_says_what_to_install() -> None:
+    err = one_line_error(run("generate", "hi", "--model", "tiny", TRIO_VLLM_TEST_HIDE="torch"), 1)
+    assert (
+        "the tiny model needs torch, which is not installed: pip install 'trio-vllm[torch]'" in err
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "module"),
+    [(["generate", "hello"], "trio"), (["bench", "latency", "--rounds", "1"], "anyio")],
+)
+def test_ctrl_c_during_start_up_imports_exits_130_quietly(
+    tmp_path: Path, args: list[str], module: str
+) -> None:
+    marker = tmp_path / "importing"
+    child = subprocess.Popen(
+        [*CLI, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(TRIO_VLLM_TEST_BLOCK_IMPORT=f"{module}:{marker}"),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "the import was never reached"
+            time.sleep(0.02)
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert child.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert "KeyboardInterrupt" not in err, err

@@ -1,0 +1,314 @@
+"""Parity cases shared by the unit tests and the vllm tier: the same JSON cases go through
+trio-vllm's text layer here and through stock vLLM in ``vllm_reference.py``."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trio_vllm.protocol import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    LogprobsLists,
+    LogprobsTensors,
+    SamplingParams,
+)
+from trio_vllm.text import (
+    OutputProcessor,
+    ParentRequest,
+    RequestOutput,
+    Tokenizer,
+    load_tokenizer,
+)
+from trio_vllm.text import _detokenizer as detok_mod
+
+# <repo>/../shared/interop/tiny-llama, as the vllm tier finds it.
+TINY_LLAMA = str(Path(__file__).resolve().parents[3] / "shared" / "interop" / "tiny-llama")
+STOP, LENGTH = int(FinishReason.STOP), int(FinishReason.LENGTH)
+
+
+def tiny_llama_available() -> bool:
+    return Path(TINY_LLAMA, "tokenizer.json").is_file()
+
+
+# -- our side ------------------------------------------------------------------------------
+
+
+def _lp_position(pos: Any) -> Any:
+    if pos is None:
+        return None
+    return [[tid, lp.logprob, lp.rank, lp.decoded_token] for tid, lp in pos.items()]
+
+
+def request_output_dict(out: RequestOutput) -> dict[str, Any]:
+    return {
+        "request_id": out.request_id,
+        "prompt": out.prompt,
+        "prompt_token_ids": list(out.prompt_token_ids),
+        "prompt_logprobs": None if out.prompt_logprobs is None
+        else [_lp_position(p) for p in out.prompt_logprobs],
+        "finished": out.finished,
+        "num_cached_tokens": out.num_cached_tokens,
+        "outputs": [
+            {
+                "index": c.index,
+                "text": c.text,
+                "token_ids": list(c.token_ids),
+                "cumulative_logprob": c.cumulative_logprob,
+                "logprobs": None if c.logprobs is None else [_lp_position(p) for p in c.logprobs],
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in out.outputs
+        ],
+    }
+
+
+_TOKENIZERS: dict[str, Tokenizer] = {}
+
+
+def tokenizer_for(model: str) -> Tokenizer:
+    if model not in _TOKENIZERS:
+        _TOKENIZERS[model] = load_tokenizer(model)
+    return _TOKENIZERS[model]
+
+
+def run_case_here(case: dict[str, Any]) -> dict[str, Any]:
+    tokenizer = tokenizer_for(case["model"])
+    original = detok_mod._decode_stream_class
+    if case.get("slow"):
+        detok_mod._decode_stream_class = lambda: None  # type: ignore[assignment]
+    try:
+        params = SamplingParams(**case["params"])
+        processor = OutputProcessor(tokenizer)
+        prompt = case.get("prompt")
+        request = EngineCoreRequest(
+            case["request_id"], prompt_token_ids=list(case["prompt_token_ids"]),
+            sampling_params=params, external_req_id=case["external_req_id"],
+        )
+        if params.n == 1:
+            processor.add_request(request, prompt)
+            ids = [request.request_id]
+        else:
+            parent = ParentRequest(case["request_id"], case["external_req_id"], params)
+            ids = []
+            for idx in range(params.n):
+                child_id, child_params = parent.get_child_info(idx)
+                child = EngineCoreRequest(
+                    child_id, prompt_token_ids=list(case["prompt_token_ids"]),
+                    sampling_params=child_params, external_req_id=case["external_req_id"],
+                )
+                processor.add_request(child, prompt, parent, idx)
+                ids.append(child_id)
+        steps_out = []
+        for step in case["steps"]:
+            outs = []
+            for item in step:
+                lp = None
+                if item.get("logprobs") is not None:
+                    rows = item["logprobs"]
+                    lp = LogprobsLists(
+                        np.array(rows["token_ids"], dtype=np.int32),
+                        np.array(rows["logprobs"], dtype=np.float32),
+                        np.array(rows["ranks"], dtype=np.int32),
+                    )
+                plp = None
+                if item.get("prompt_logprobs") is not None:
+                    rows = item["prompt_logprobs"]
+                    plp = LogprobsTensors(
+                        np.array(rows["token_ids"], dtype=np.int32),
+                        np.array(rows["logprobs"], dtype=np.float32),
+                        np.array(rows["ranks"], dtype=np.int32),
+                    )
+                finish = item.get("finish_reason")
+                outs.append(EngineCoreOutput(
+                    ids[item.get("child", 0)],
+                    new_token_ids=list(item["new_token_ids"]),
+                    new_logprobs=lp,
+                    new_prompt_logprobs_tensors=plp,
+                    finish_reason=None if finish is None else FinishReason(finish),
+                    stop_reason=item.get("stop_reason"),
+                ))
+            result = processor.process_outputs(outs)
+            steps_out.append({
+                "outputs": [request_output_dict(o) for o in result.request_outputs],
+                "abort": sorted(ids.index(r) for r in result.reqs_to_abort),
+            })
+        return {"steps": steps_out}
+    finally:
+        detok_mod._decode_stream_class = original  # type: ignore[assignment]
+
+
+# -- cases ---------------------------------------------------------------------------------
+
+
+def _steps(token_ids: list[int], per_step: int = 1, finish: int = LENGTH,
+           stop_reason: int | str | None = None, child: int = 0) -> list[list[dict[str, Any]]]:
+    steps: list[list[dict[str, Any]]] = []
+    for i in range(0, len(token_ids), per_step):
+        steps.append([{"child": child, "new_token_ids": token_ids[i : i + per_step]}])
+    steps[-1][0]["finish_reason"] = finish
+    steps[-1][0]["stop_reason"] = stop_reason
+    return steps
+
+
+def _case(name: str, ids: list[int], params: dict[str, Any], *, per_step: int = 1,
+          finish: int = LENGTH, stop_reason: int | str | None = None, slow: bool = False,
+          prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    tok = tokenizer_for(TINY_LLAMA)
+    return {
+        "kind": "outputs", "name": name, "model": TINY_LLAMA, "slow": slow,
+        "request_id": f"{name}-0123abcd", "external_req_id": name, "prompt": "Tell me: ",
+        "prompt_token_ids": prompt_ids or tok.encode("Tell me: "),
+        "params": params,
+        "steps": _steps(ids, per_step, finish, stop_reason),
+    }
+
+
+def _logprob_rows(rng: random.Random, ids: list[int], k: int, vocab: int) -> dict[str, Any]:
+    token_ids, logprobs, ranks = [], [], []
+    for sampled in ids:
+        top = rng.sample(range(vocab), k)
+        token_ids.append([sampled, *top])
+        values = sorted((float(np.float32(-rng.random() * 5)) for _ in range(k)), reverse=True)
+        logprobs.append([float(np.float32(-rng.random() * 6)), *values])
+        ranks.append(rng.randint(1, 50))
+    return {"token_ids": token_ids, "logprobs": logprobs, "ranks": ranks}
+
+
+def output_cases() -> list[dict[str, Any]]:
+    """Detokenizer, stop-string, output-kind, logprobs and n>1 cases on tiny-llama."""
+    tok = tokenizer_for(TINY_LLAMA)
+    text = "Hello world! 你好，世界 😀🎉 naïve café stop here. More text after."
+    ids = tok.encode(text, add_special_tokens=False)
+    im_start, im_end = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
+    assert im_start is not None
+    assert im_end is not None
+    special_ids = [*ids[:4], im_start, im_end, im_start, *ids[4:9], im_end, 1, 2, *ids[9:14]]
+    cases: list[dict[str, Any]] = []
+    for slow in (False, True):
+        sfx = "-slow" if slow else ""
+        for kind in (0, 1, 2):
+            cases.append(_case(f"plain-k{kind}{sfx}", ids, {"max_tokens": len(ids),
+                                                            "output_kind": kind}, slow=slow))
+        for include in (False, True):
+            for kind in (0, 1):
+                cases.append(_case(
+                    f"stop-inc{int(include)}-k{kind}{sfx}", ids,
+                    {"stop": ["stop here", "界 😀"], "include_stop_str_in_output": include,
+                     "output_kind": kind}, slow=slow,
+                ))
+                cases.append(_case(
+                    f"stop-multi-inc{int(include)}-k{kind}{sfx}", ids,
+                    {"stop": ["café", "xyz"], "include_stop_str_in_output": include,
+                     "output_kind": kind}, per_step=3, slow=slow,
+                ))
+        cases.append(_case(f"min-tokens{sfx}", ids, {"stop": ["l"], "min_tokens": 6,
+                                                    "output_kind": 1}, slow=slow))
+        cases.append(_case(f"min-tokens-multi{sfx}", ids, {"stop": ["o"], "min_tokens": 4,
+                                                          "output_kind": 0}, per_step=4,
+                           slow=slow))
+        cases.append(_case(f"eos{sfx}", [*ids[:10], 2], {"output_kind": 1}, finish=STOP,
+                           slow=slow))
+        cases.append(_case(f"stop-token-inc{sfx}", [*ids[:10], im_end],
+                           {"stop_token_ids": [im_end], "include_stop_str_in_output": True,
+                            "skip_special_tokens": False},
+                           finish=STOP, stop_reason=im_end, slow=slow))
+        for skip in (True, False):
+            for spaces in (True, False):
+                cases.append(_case(
+                    f"special-skip{int(skip)}-sp{int(spaces)}{sfx}", special_ids,
+                    {"skip_special_tokens": skip, "spaces_between_special_tokens": spaces,
+                     "output_kind": 1}, slow=slow,
+                ))
+    for kind in (0, 1, 2):
+        cases.append(_case(f"interval3-k{kind}", ids[:20], {"stream_interval": 3,
+                                                           "output_kind": kind}))
+    # Logprobs (sample and prompt), with byte-level tokens that split characters.
+    rng = random.Random(7)
+    lp_ids = ids[10:30]
+    case = _case("logprobs", lp_ids, {"logprobs": 3, "prompt_logprobs": 2, "output_kind": 0})
+    prompt = case["prompt_token_ids"]
+    for i, step in enumerate(case["steps"]):
+        step[0]["logprobs"] = _logprob_rows(rng, step[0]["new_token_ids"], 3, 512)
+        if i == 0:
+            step[0]["prompt_logprobs"] = _logprob_rows(rng, prompt[1:], 2, 512)
+    cases.append(case)
+    delta = _case("logprobs-delta-stop", lp_ids, {"logprobs": 0, "prompt_logprobs": 0,
+                                                 "output_kind": 1, "stop": ["😀"]}, per_step=2)
+    for i, step in enumerate(delta["steps"]):
+        step[0]["logprobs"] = _logprob_rows(rng, step[0]["new_token_ids"], 0, 512)
+        if i == 0:
+            step[0]["prompt_logprobs"] = _logprob_rows(rng, prompt[1:], 0, 512)
+    cases.append(delta)
+    # n = 2 with a seed: children interleaved, child 1 finishes first.
+    for kind in (0, 1, 2):
+        base = _case(f"n2-k{kind}", ids, {"n": 2, "seed": 42, "temperature": 0.8,
+                                          "output_kind": kind, "stop": ["café"]})
+        a, b = ids[:12], ids[5:11]
+        steps: list[list[dict[str, Any]]] = []
+        for i in range(max(len(a), len(b))):
+            step = []
+            if i < len(a):
+                step.append({"child": 0, "new_token_ids": [a[i]]})
+            if i < len(b):
+                step.append({"child": 1, "new_token_ids": [b[i]]})
+            steps.append(step)
+        steps[len(b) - 1][-1].update(finish_reason=LENGTH)
+        steps[len(a) - 1][0].update(finish_reason=STOP, stop_reason=None)
+        steps[len(a) - 1][0]["new_token_ids"] = [2]
+        base["steps"] = steps
+        cases.append(base)
+    return cases
+
+
+def fuzz_cases(seeds: range = range(6)) -> list[dict[str, Any]]:
+    """Random token ids (special, byte-level and merged tokens) through both detokenizers."""
+    tok = tokenizer_for(TINY_LLAMA)
+    cases = []
+    for seed in seeds:
+        rng = random.Random(seed)
+        ids = [rng.randrange(0, 512) if rng.random() < 0.3 else rng.randrange(100, 512)
+               for _ in range(60)]
+        decoded = tok.decode(ids, skip_special_tokens=True)
+        stops = [decoded[i : i + 3] for i in (20, 40) if len(decoded) > i + 3]
+        stops = [s for s in stops if s.strip()] or ["zzz"]
+        for slow in (False, True):
+            params = {"skip_special_tokens": seed % 2 == 0,
+                      "spaces_between_special_tokens": seed % 3 != 0,
+                      "stop": stops, "include_stop_str_in_output": seed % 4 == 1,
+                      "output_kind": seed % 3}
+            cases.append(_case(f"fuzz{seed}{'-slow' if slow else ''}", ids, params,
+                               per_step=1 + seed % 3, slow=slow))
+    return cases
+
+
+def tokenizer_case() -> dict[str, Any]:
+    return {
+        "kind": "tokenizer", "model": TINY_LLAMA,
+        "texts": ["Hello world", " leading space", "你好，世界 😀", "a<|im_start|>b</s>c", ""],
+        "id_lists": [[1, 44, 422, 3, 4, 80], [225, 314, 399], [300, 301, 302, 2, 2], [4]],
+        "chats": [
+            [[{"role": "system", "content": "Be brief."},
+              {"role": "user", "content": "Hi 😀"}], True],
+            [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}], False],
+        ],
+    }
+
+
+def params_cases() -> list[dict[str, Any]]:
+    gen = {"eos_token_id": [2, 4], "bos_token_id": 1}
+    return [
+        {"kind": "params", "model": TINY_LLAMA, "generation_config": gen, "params": p}
+        for p in (
+            {},
+            {"ignore_eos": True},
+            {"stop_token_ids": [7, 9]},
+            {"stop_token_ids": [4, 100], "ignore_eos": True},
+            {"bad_words": ["hello", " world"]},
+        )
+    ]

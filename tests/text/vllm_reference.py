@@ -1,0 +1,193 @@
+"""Run the text-layer parity cases through stock vLLM's own frontend code (not a test module).
+
+Executed by tests/text/test_vllm_parity.py with ``TRIO_VLLM_TEST_VLLM_PYTHON`` (a python
+with vLLM 0.32.0): reads a JSON list of cases on stdin, prints a JSON list of results.
+Every case is fed through ``vllm.v1.engine.output_processor.OutputProcessor`` (and
+``ParentRequest`` for ``n > 1``) with vLLM's tokenizer for the model directory; the
+result has the same shape as ``tests/text/_parity.py`` produces from trio-vllm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def _lp_position(pos: Any) -> Any:
+    if pos is None:
+        return None
+    return [[tid, lp.logprob, lp.rank, lp.decoded_token] for tid, lp in pos.items()]
+
+
+def _request_output(out: Any) -> dict[str, Any]:
+    return {
+        "request_id": out.request_id,
+        "prompt": out.prompt,
+        "prompt_token_ids": list(out.prompt_token_ids),
+        "prompt_logprobs": None if out.prompt_logprobs is None
+        else [_lp_position(p) for p in out.prompt_logprobs],
+        "finished": out.finished,
+        "num_cached_tokens": out.num_cached_tokens,
+        "outputs": [
+            {
+                "index": c.index,
+                "text": c.text,
+                "token_ids": list(c.token_ids),
+                "cumulative_logprob": c.cumulative_logprob,
+                "logprobs": None if c.logprobs is None else [_lp_position(p) for p in c.logprobs],
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in out.outputs
+        ],
+    }
+
+
+def run_case(case: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+    import torch
+    import vllm.v1.engine.detokenizer as detok_mod
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.tokenizers import get_tokenizer
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+    from vllm.v1.engine.output_processor import OutputProcessor
+    from vllm.v1.engine.parallel_sampling import ParentRequest
+    from vllm.v1.outputs import LogprobsLists, LogprobsTensors
+
+    model = case["model"]
+    if model not in tokenizers:
+        tokenizers[model] = get_tokenizer(model)
+    tokenizer = tokenizers[model]
+    original = detok_mod.uses_fast_detokenizer
+    if case.get("slow"):
+        detok_mod.uses_fast_detokenizer = lambda tok: False
+    try:
+        kwargs = dict(case["params"])
+        kwargs["output_kind"] = RequestOutputKind(kwargs.pop("output_kind", 0))
+        params = SamplingParams(**kwargs)
+        processor = OutputProcessor(tokenizer, log_stats=False)
+        request = EngineCoreRequest(
+            request_id=case["request_id"], prompt_token_ids=list(case["prompt_token_ids"]),
+            mm_features=None, sampling_params=params, pooling_params=None,
+            arrival_time=time.time(), lora_request=None, cache_salt=None,
+            data_parallel_rank=None, external_req_id=case["external_req_id"],
+        )
+        prompt = case.get("prompt")
+        if params.n == 1:
+            processor.add_request(request, prompt, None, 0)
+            ids = [request.request_id]
+        else:
+            parent = ParentRequest(request)
+            ids = []
+            for idx in range(params.n):
+                child_id, child_params = parent.get_child_info(idx)
+                child = EngineCoreRequest(
+                    request_id=child_id, prompt_token_ids=list(case["prompt_token_ids"]),
+                    mm_features=None, sampling_params=child_params, pooling_params=None,
+                    arrival_time=time.time(), lora_request=None, cache_salt=None,
+                    data_parallel_rank=None, external_req_id=case["external_req_id"],
+                )
+                processor.add_request(child, prompt, parent, idx)
+                ids.append(child_id)
+        steps_out = []
+        for step in case["steps"]:
+            outs = []
+            for item in step:
+                lp = None
+                if item.get("logprobs") is not None:
+                    rows = item["logprobs"]
+                    lp = LogprobsLists(
+                        np.array(rows["token_ids"], dtype=np.int32),
+                        np.array(rows["logprobs"], dtype=np.float32),
+                        np.array(rows["ranks"], dtype=np.int32),
+                        None,
+                    )
+                plp = None
+                if item.get("prompt_logprobs") is not None:
+                    rows = item["prompt_logprobs"]
+                    plp = LogprobsTensors(
+                        torch.tensor(rows["token_ids"], dtype=torch.int32),
+                        torch.tensor(rows["logprobs"], dtype=torch.float32),
+                        torch.tensor(rows["ranks"], dtype=torch.int32),
+                    )
+                finish = item.get("finish_reason")
+                outs.append(EngineCoreOutput(
+                    request_id=ids[item.get("child", 0)],
+                    new_token_ids=list(item["new_token_ids"]),
+                    new_logprobs=lp,
+                    new_prompt_logprobs_tensors=plp,
+                    finish_reason=None if finish is None else FinishReason(finish),
+                    stop_reason=item.get("stop_reason"),
+                ))
+            result = processor.process_outputs(outs)
+            steps_out.append({
+                "outputs": [_request_output(o) for o in result.request_outputs],
+                "abort": sorted(ids.index(r) for r in result.reqs_to_abort),
+            })
+        return {"steps": steps_out}
+    finally:
+        detok_mod.uses_fast_detokenizer = original
+
+
+def run_params(case: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.tokenizers import get_tokenizer
+
+    model = case["model"]
+    if model not in tokenizers:
+        tokenizers[model] = get_tokenizer(model)
+    tokenizer = tokenizers[model]
+    params = SamplingParams(**case["params"])
+    params.update_from_generation_config(case["generation_config"], tokenizer.eos_token_id)
+    params.update_from_tokenizer(tokenizer)
+    return {
+        "_eos_token_id": params._eos_token_id,
+        "stop_token_ids": params.stop_token_ids,
+        "_all_stop_token_ids": sorted(params._all_stop_token_ids),
+        "_bad_words_token_ids": params._bad_words_token_ids,
+    }
+
+
+def run_tokenizer(case: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str, Any]:
+    from vllm.tokenizers import get_tokenizer
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+    model = case["model"]
+    if model not in tokenizers:
+        tokenizers[model] = get_tokenizer(model)
+    tok = tokenizers[model]
+    out: dict[str, Any] = {
+        "encode": [tok.encode(t) for t in case["texts"]],
+        "encode_plain": [tok.encode(t, add_special_tokens=False) for t in case["texts"]],
+        "decode": [tok.decode(ids) for ids in case["id_lists"]],
+        "decode_skip": [tok.decode(ids, skip_special_tokens=True) for ids in case["id_lists"]],
+        "single": [convert_ids_list_to_tokens(tok, ids) for ids in case["id_lists"]],
+        "eos_token_id": tok.eos_token_id,
+        "max_token_id": tok.max_token_id,
+        "chat": [
+            tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=agp)
+            for conv, agp in case["chats"]
+        ],
+    }
+    return out
+
+
+def main() -> None:
+    cases = json.load(sys.stdin)
+    tokenizers: dict[str, Any] = {}
+    results = []
+    for case in cases:
+        kind = case.get("kind", "outputs")
+        fn = {"outputs": run_case, "params": run_params, "tokenizer": run_tokenizer}[kind]
+        results.append(fn(case, tokenizers))
+    sys.stdout.write("\n@@RESULT@@" + json.dumps(results) + "\n")
+
+
+if __name__ == "__main__":
+    main()
