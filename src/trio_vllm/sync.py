@@ -257,10 +257,15 @@ class SyncClient(NamedUtilities):
         engines: an engine source (``ReferenceEngines``, ``VllmEngines``,
             ``ExternalEngines``) or a list of them.
         backend: the event loop the thread runs, ``"trio"`` (default) or ``"asyncio"``.
-        ready_timeout, profile, allow_insecure_serialization, shutdown_grace,
-            stream_buffer, on_progress, on_engine_death, waves: as for
-            :func:`~trio_vllm.client.open_client`. ``on_progress`` is called in the
-            background thread.
+        ready_timeout: as for :func:`~trio_vllm.client.open_client`, like the
+            following keywords.
+        profile: the protocol profile, pinned.
+        allow_insecure_serialization: accept pickle payloads from engines.
+        shutdown_grace: seconds between SIGTERM and SIGKILL for spawned engines.
+        stream_buffer: default per-stream buffer before coalescing.
+        on_progress: called on every startup step, in the background thread.
+        on_engine_death: ``"fail"`` or ``"continue"``.
+        waves: play the DP coordinator's wave role.
 
     Use it as a context manager; ``__enter__`` starts the thread and waits until the
     engines are ready (raising :class:`~trio_vllm.EngineStartupError` like
