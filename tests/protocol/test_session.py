@@ -442,3 +442,29 @@ def test_wave_frames_skip_lost_ranks() -> None:
 def test_on_engine_death_is_checked() -> None:
     with pytest.raises(ValueError, match="on_engine_death"):
         ClientSession([0], on_engine_death="later")  # type: ignore[arg-type]
+
+
+def test_abort_of_a_retiring_ranks_last_request_drains_it() -> None:
+    session = ClientSession([0, 1])
+    stream = object()
+    started(session, "a", stream, rank=1)
+    assert session.begin_retire(1) == ["a"]
+    by_rank, handles, actions = session.abort(["a"])
+    assert by_rank == {1: ["a"]}
+    assert handles == [stream]
+    assert kinds(actions) == ["RankDrained"]
+    assert session.in_flight(1) == 0
+
+
+def test_close_fails_pending_work_and_later_calls() -> None:
+    session = ClientSession([0])
+    stream, call = object(), object()
+    started(session, "a", stream)
+    session.start_call("sleep", 0, call)
+    actions = session.close()
+    assert kinds(actions) == ["FailCall", "FailRequest", "Died"]
+    assert died(actions).message == "the client is closed (open_client exited)"
+    assert session.close() == []
+    assert session.pending_calls == 0
+    with pytest.raises(EngineDeadError, match="closed"):
+        session.begin_join([1])
