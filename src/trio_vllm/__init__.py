@@ -18,6 +18,7 @@ from ._exceptions import ProtocolError as ProtocolError
 from ._exceptions import TrioVllmError as TrioVllmError
 from ._exceptions import UnroutableError as UnroutableError
 from ._exceptions import UtilityCallError as UtilityCallError
+from ._public import publish
 from ._version import __version__ as __version__
 from .protocol import ENGINE_CORE_DEAD as ENGINE_CORE_DEAD
 from .protocol import PROFILES as PROFILES
@@ -62,13 +63,14 @@ if TYPE_CHECKING:
     from .client import new_request_id as new_request_id
     from .client import open_client as open_client
     from .client import prepare_sampling_params as prepare_sampling_params
-    from .client._inproc import InprocEngine as InprocEngine
+    from .inproc import InprocEngine as InprocEngine
     from .llm import LLM as LLM
     from .llm import RequestOutputStream as RequestOutputStream
     from .llm import SyncLLM as SyncLLM
     from .llm import SyncRequestOutputStream as SyncRequestOutputStream
     from .llm import open_llm as open_llm
     from .sync import SyncClient as SyncClient
+    from .sync import SyncEngineEvents as SyncEngineEvents
     from .sync import SyncRequestStream as SyncRequestStream
     from .text import CompletionOutput as CompletionOutput
     from .text import Logprob as Logprob
@@ -92,8 +94,9 @@ _LAZY: dict[str, str] = {
     "new_request_id": ".client",
     "open_client": ".client",
     "prepare_sampling_params": ".client",
-    "InprocEngine": ".client._inproc",
+    "InprocEngine": ".inproc",
     "SyncClient": ".sync",
+    "SyncEngineEvents": ".sync",
     "SyncRequestStream": ".sync",
     "LLM": ".llm",
     "RequestOutputStream": ".llm",
@@ -151,6 +154,9 @@ __all__ = [
 ]
 
 
+publish(__name__, globals(), __all__)
+
+
 def __getattr__(name: str) -> Any:
     """PEP 562: import the client-side names on first access (then cached here)."""
     if name in _LAZY_SUBMODULES:  # ``import trio_vllm; trio_vllm.client`` worked before
@@ -159,6 +165,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(module, __name__), name)
+    publish(__name__, {name: value}, [name])
     globals()[name] = value
     return value
 

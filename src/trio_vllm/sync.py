@@ -29,28 +29,39 @@ import contextlib
 import functools
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Final, TypeVar, final
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, final
 
 import anyio
 import anyio.from_thread
 
 from ._exceptions import EngineDeadError
+from ._public import publish
 from .client import open_client
+from .client._startup import DEFAULT_SHUTDOWN_GRACE
+from .client._utilities import NamedUtilities
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+    from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
     from types import TracebackType
 
-    from .client import EngineCoreClient, EngineSource, RequestStream
+    from .client import EngineCoreClient, EngineEvent, EngineSource, RequestStream, StartupProgress
+    from .client._utilities import NamedUtility
+    from .protocol import (
+        EngineCoreOutput,
+        EngineCoreOutputs,
+        EngineCoreRequest,
+        FinishReason,
+        ProtocolProfile,
+    )
 
-__all__ = ["SyncClient", "SyncRequestStream"]
+__all__ = ["SyncClient", "SyncEngineEvents", "SyncRequestStream"]
 
 T = TypeVar("T")
 
 # Outputs one portal round trip fetches at most (see _next_batch).
 _MAX_BATCH: Final = 1024
 
-async def _next_batch(stream: RequestStream) -> list[Any]:
+async def _next_batch(stream: RequestStream) -> list[EngineCoreOutput]:
     """The next output (waiting for it) and every output already buffered after it, in
     order; ``[]`` after the last one. One portal round trip then serves a whole batch
     (a round trip costs ~200 us of CPU; an output taken here ~1 us).
@@ -90,7 +101,12 @@ class SyncRequestStream:
     the outputs received before are consumed.
     """
 
-    def __init__(self, owner: SyncClient, context: Any, stream: RequestStream) -> None:
+    def __init__(
+        self,
+        owner: SyncClient,
+        context: contextlib.AbstractContextManager[RequestStream],
+        stream: RequestStream,
+    ) -> None:
         self._owner = owner
         self._context = context
         self._stream = stream
@@ -98,8 +114,8 @@ class SyncRequestStream:
         self._lock = threading.Lock()
         # Outputs fetched in one portal round trip and not handed out yet; only the
         # iterating thread touches it.
-        self._batch: collections.deque[Any] = collections.deque()
-        self._finish_reason: Any = None
+        self._batch: collections.deque[EngineCoreOutput] = collections.deque()
+        self._finish_reason: FinishReason | None = None
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -116,7 +132,7 @@ class SyncRequestStream:
         return self._stream.rank
 
     @property
-    def finish_reason(self) -> Any:
+    def finish_reason(self) -> FinishReason | None:
         """The final output's ``finish_reason`` once consumed (``None`` before)."""
         return self._finish_reason
 
@@ -133,7 +149,7 @@ class SyncRequestStream:
     def __iter__(self) -> SyncRequestStream:
         return self
 
-    def __next__(self) -> Any:
+    def __next__(self) -> EngineCoreOutput:
         if self._closed:
             raise StopIteration
         if not self._batch:
@@ -206,29 +222,87 @@ class SyncRequestStream:
             self.close()
 
 
+class SyncEngineEvents:
+    """:attr:`SyncClient.engine_events`: the client's :class:`~trio_vllm.EngineEvent`
+    channel, blocking. Iteration ends once the client is closed or dead and nothing is
+    queued."""
+
+    def __init__(self, owner: SyncClient) -> None:
+        self._owner = owner
+
+    def receive(self, timeout: float | None = None) -> EngineEvent:
+        """Block until the next event; ``TimeoutError`` after ``timeout`` seconds
+        (nothing consumed), ``anyio.EndOfStream`` once closed and empty."""
+        events = self._owner.async_client.engine_events
+
+        async def receive() -> EngineEvent:
+            with anyio.fail_after(timeout):
+                return await events.receive()
+
+        return self._owner._call(receive)
+
+    def __iter__(self) -> Iterator[EngineEvent]:
+        while True:
+            try:
+                yield self.receive()
+            except anyio.EndOfStream:
+                return
+
+
 @final
-class SyncClient:
+class SyncClient(NamedUtilities):
     """A blocking client: :func:`~trio_vllm.client.open_client` in a background thread.
 
     Args:
         engines: an engine source (``ReferenceEngines``, ``VllmEngines``,
-            ``ExternalEngines``).
+            ``ExternalEngines``) or a list of them.
         backend: the event loop the thread runs, ``"trio"`` (default) or ``"asyncio"``.
-        **options: passed to :func:`~trio_vllm.client.open_client` (``ready_timeout``,
-            ``profile``, ``on_progress``, ...). ``on_progress`` is called in the
-            background thread.
+        ready_timeout: as for :func:`~trio_vllm.client.open_client`, like the
+            following keywords.
+        profile: the protocol profile, pinned.
+        allow_insecure_serialization: accept pickle payloads from engines.
+        shutdown_grace: seconds between SIGTERM and SIGKILL for spawned engines.
+        stream_buffer: default per-stream buffer before coalescing.
+        on_progress: called on every startup step, in the background thread.
+        on_engine_death: ``"fail"`` or ``"continue"``.
+        waves: play the DP coordinator's wave role.
 
     Use it as a context manager; ``__enter__`` starts the thread and waits until the
     engines are ready (raising :class:`~trio_vllm.EngineStartupError` like
     ``open_client``, with the thread already joined), ``__exit__`` (or :meth:`close`)
     shuts everything down and joins the thread. Every method raises
-    :class:`~trio_vllm.EngineDeadError` once an engine died or the client closed.
+    :class:`~trio_vllm.EngineDeadError` once an engine died or the client closed. The
+    named utilities (``sleep``, ``wake_up``, ``profile``, ...) are those of
+    :class:`~trio_vllm.EngineCoreClient`, blocking.
     """
 
-    def __init__(self, engines: EngineSource, *, backend: str = "trio", **options: Any) -> None:
-        self._engines = engines
+    def __init__(
+        self,
+        engines: EngineSource | Sequence[EngineSource],
+        *,
+        backend: str = "trio",
+        ready_timeout: float | None = None,
+        profile: ProtocolProfile | str | None = None,
+        allow_insecure_serialization: bool = False,
+        shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
+        stream_buffer: int = 64,
+        on_progress: Callable[[StartupProgress], None] | None = None,
+        on_engine_death: Literal["fail", "continue"] = "fail",
+        waves: bool = False,
+    ) -> None:
+        self._open = functools.partial(
+            open_client,
+            engines,
+            ready_timeout=ready_timeout,
+            profile=profile,
+            allow_insecure_serialization=allow_insecure_serialization,
+            shutdown_grace=shutdown_grace,
+            stream_buffer=stream_buffer,
+            on_progress=on_progress,
+            on_engine_death=on_engine_death,
+            waves=waves,
+        )
         self._backend = backend
-        self._options = options
         self._exit_stack: contextlib.ExitStack | None = None
         self._portal: anyio.from_thread.BlockingPortal | None = None
         self._client: EngineCoreClient | None = None
@@ -236,6 +310,7 @@ class SyncClient:
         self._streams: weakref.WeakSet[SyncRequestStream] = weakref.WeakSet()
         self._close_lock = threading.Lock()
         self._used = False
+        self._events = SyncEngineEvents(self)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -254,7 +329,7 @@ class SyncClient:
             # whose caller was interrupted, so that joining the thread cannot hang.
             stack.callback(_stop_portal, portal)
             client = stack.enter_context(
-                portal.wrap_async_context_manager(open_client(self._engines, **self._options))
+                portal.wrap_async_context_manager(self._open())
             )
         except BaseException:
             stack.close()
@@ -352,7 +427,22 @@ class SyncClient:
         return self._get(lambda c: c.ranks)
 
     @property
-    def ready_responses(self) -> dict[int, dict[str, Any]]:
+    def live_ranks(self) -> list[int]:
+        """Ranks new requests can go to (not lost, not retired)."""
+        return self._get(lambda c: c.live_ranks)
+
+    @property
+    def lost_ranks(self) -> dict[int, str]:
+        """Rank -> why it is gone (``on_engine_death="continue"``)."""
+        return self._get(lambda c: c.lost_ranks)
+
+    @property
+    def in_flight(self) -> dict[int, int]:
+        """Rank -> requests of this client in flight there."""
+        return self._get(lambda c: c.in_flight)
+
+    @property
+    def ready_responses(self) -> dict[int, dict[str, object]]:
         """Each engine's ready response (a plain map)."""
         return self._get(lambda c: c.ready_responses)
 
@@ -360,6 +450,11 @@ class SyncClient:
     def vllm_version(self) -> str | None:
         """The ``vllm_version`` the engines reported."""
         return self._get(lambda c: c.vllm_version)
+
+    @property
+    def protocol_profile(self) -> ProtocolProfile:
+        """The protocol profile in use."""
+        return self._get(lambda c: c.protocol_profile)
 
     @property
     def max_model_len(self) -> int | None:
@@ -370,6 +465,22 @@ class SyncClient:
     def engine_pids(self) -> dict[int, int]:
         """Rank -> pid of each spawned engine process."""
         return self._get(lambda c: c.engine_pids)
+
+    @property
+    def addresses(self) -> dict[str, str]:
+        """The endpoints the client bound."""
+        return self._get(lambda c: c.addresses)
+
+    @property
+    def pending_utility_calls(self) -> int:
+        """Utility calls awaiting a reply."""
+        return self._get(lambda c: c.pending_utility_calls)
+
+    @property
+    def engine_events(self) -> SyncEngineEvents:
+        """Unsolicited engine notices and rank losses (see
+        :attr:`EngineCoreClient.engine_events`), blocking."""
+        return self._events
 
     @property
     def dead(self) -> bool:
@@ -383,12 +494,12 @@ class SyncClient:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request: Any, *, rank: int | None = None) -> None:
+    def add_request(self, request: EngineCoreRequest, *, rank: int | None = None) -> None:
         """Send a request; its outputs come from :meth:`get_output` (``ValueError`` if
         invalid or its id is live)."""
         self._call(self.async_client.add_request, request, rank=rank)
 
-    def get_output(self, timeout: float | None = None) -> Any:
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         """Block until the next EngineCoreOutputs batch of raw requests.
 
         Raises ``TimeoutError`` after ``timeout`` seconds (nothing consumed) and
@@ -396,7 +507,7 @@ class SyncClient:
         """
         client = self.async_client
 
-        async def get() -> Any:
+        async def get() -> EngineCoreOutputs:
             with anyio.fail_after(timeout):
                 return await client.get_output()
 
@@ -407,7 +518,7 @@ class SyncClient:
         self._call(self.async_client.abort_requests, list(request_ids), rank=rank)
 
     def generate(
-        self, request: Any, *, rank: int | None = None, max_pending: int | None = None
+        self, request: EngineCoreRequest, *, rank: int | None = None, max_pending: int | None = None
     ) -> SyncRequestStream:
         """Send ``request`` and return a blocking iterator over its outputs.
 
@@ -425,119 +536,44 @@ class SyncClient:
 
     # ------------------------------------------------------------------ utilities
 
-    def call_utility(self, method: str, *args: Any, rank: int | None = None) -> Any:
+    def call_utility(self, method: str, *args: object, rank: int | None = None) -> object:
         """Call ``method(*args)`` on one engine (``UtilityCallError`` if it failed there)."""
         client = self.async_client
 
-        async def call() -> Any:
+        async def call() -> object:
             return await client.call_utility(method, *args, rank=rank)
 
         return self._call(call)
 
-    def call_utility_all(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method(*args)`` on every engine; results in rank order."""
-        return self._call(self.async_client.call_utility_all, method, *args)
-
-    def get_supported_tasks(self) -> tuple[str, ...]:
-        """Tasks the model supports, e.g. ``("generate",)``."""
-        return self._call(self.async_client.get_supported_tasks)
-
-    def is_sleeping(self) -> bool:
-        """Whether the engines sleep."""
-        return self._call(self.async_client.is_sleeping)
-
-    def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """Put every engine to sleep."""
-        self._call(self.async_client.sleep, level, mode)
-
-    def wake_up(self, tags: Sequence[str] | None = None) -> bool:
-        """Wake every engine."""
-        return self._call(self.async_client.wake_up, tags)
-
-    def reset_prefix_cache(
-        self, reset_running_requests: bool = False, reset_connector: bool = False
-    ) -> bool:
-        """Reset the prefix cache of every engine."""
+    def call_utility_all(
+        self, method: str, *args: object, return_exceptions: bool = False
+    ) -> list[object]:
+        """Call ``method(*args)`` on every live engine; results in rank order (see
+        :meth:`EngineCoreClient.call_utility_all` for ``return_exceptions``)."""
         return self._call(
-            self.async_client.reset_prefix_cache, reset_running_requests, reset_connector
+            self.async_client.call_utility_all,
+            method,
+            *args,
+            return_exceptions=return_exceptions,
         )
 
-    def reset_mm_cache(self) -> None:
-        """Reset the multimodal cache of every engine."""
-        self._call(self.async_client.reset_mm_cache)
+    def _named_utility(self, spec: NamedUtility[..., T], args: list[object]) -> T:
+        client = self.async_client
 
-    def reset_encoder_cache(self) -> None:
-        """Reset the encoder cache of every engine."""
-        self._call(self.async_client.reset_encoder_cache)
+        async def run() -> T:
+            return await client._named_utility(spec, args)
 
-    def profile(
-        self,
-        is_start: bool = True,
-        profile_prefix: str | None = None,
-        delay_iterations: int | None = None,
-        max_iterations: int | None = None,
-    ) -> None:
-        """Start or stop the torch profiler on every engine."""
-        self._call(
-            self.async_client.profile, is_start, profile_prefix, delay_iterations, max_iterations
-        )
+        return self._call(run)
 
-    def add_lora(self, lora_request: Any) -> bool:
-        """Load a LoRA adapter on every engine."""
-        return self._call(self.async_client.add_lora, lora_request)
+    # ------------------------------------------------------------------ scaling
 
-    def remove_lora(self, lora_id: int) -> bool:
-        """Unload a LoRA adapter from every engine."""
-        return self._call(self.async_client.remove_lora, lora_id)
+    def retire_rank(self, rank: int, *, drain: bool = True) -> None:
+        """Scale down (see :meth:`EngineCoreClient.retire_rank`)."""
+        self._call(self.async_client.retire_rank, rank, drain=drain)
 
-    def list_loras(self) -> set[int]:
-        """The LoRA ids loaded (union over engines)."""
-        return self._call(self.async_client.list_loras)
+    def add_engines(self, source: EngineSource, *, ready_timeout: float | None = None) -> list[int]:
+        """Scale up (see :meth:`EngineCoreClient.add_engines`); returns the added ranks."""
+        return self._call(self.async_client.add_engines, source, ready_timeout=ready_timeout)
 
-    def pin_lora(self, lora_id: int) -> bool:
-        """Pin a LoRA adapter on every engine."""
-        return self._call(self.async_client.pin_lora, lora_id)
 
-    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        """Pause scheduling on every engine."""
-        self._call(self.async_client.pause_scheduler, mode, clear_cache)
-
-    def resume_scheduler(self) -> None:
-        """Resume scheduling on every engine."""
-        self._call(self.async_client.resume_scheduler)
-
-    def is_scheduler_paused(self) -> bool:
-        """Whether scheduling is paused."""
-        return self._call(self.async_client.is_scheduler_paused)
-
-    def collective_rpc(
-        self,
-        method: str,
-        timeout: float | None = None,
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> list[Any]:
-        """Run ``method`` on every worker of every engine."""
-        return self._call(self.async_client.collective_rpc, method, timeout, args, kwargs)
-
-    def execute_dummy_batch(self) -> None:
-        """Run a dummy batch on every engine."""
-        self._call(self.async_client.execute_dummy_batch)
-
-    def save_sharded_state(
-        self, path: str, pattern: str | None = None, max_size: int | None = None
-    ) -> None:
-        """Save the model's sharded state (one engine)."""
-        self._call(self.async_client.save_sharded_state, path, pattern, max_size)
-
-    def get_weight_version(self) -> str:
-        """The engines' weight version."""
-        return self._call(self.async_client.get_weight_version)
-
-    def set_weight_version(self, weight_version: str) -> None:
-        """Set the weight version label on every engine."""
-        self._call(self.async_client.set_weight_version, weight_version)
-
-    def compute_weight_checksums(self) -> list[dict[str, str]]:
-        """Weight checksums, one map per worker."""
-        return self._call(self.async_client.compute_weight_checksums)
+publish("trio_vllm", globals(), __all__)

@@ -10,8 +10,8 @@ import json
 import os
 import sys
 
-from trio_vllm.client._inproc import InprocEngine
 from trio_vllm.client._prepare import make_request
+from trio_vllm.inproc import InprocEngine
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ Public names are re-exported from :mod:`trio_vllm`.
 
 from __future__ import annotations
 
+from .._public import publish
 from ._client import EngineCoreClient as EngineCoreClient
 from ._client import EngineEvent as EngineEvent
 from ._client import EngineEvents as EngineEvents
@@ -34,3 +35,5 @@ __all__ = [
     "open_client",
     "prepare_sampling_params",
 ]
+
+publish("trio_vllm", globals(), __all__)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from ..protocol.structs import EngineCoreRequest, SamplingParams
+from ..protocol.structs import EngineCoreRequest, LoRARequest, SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -106,7 +106,7 @@ def make_request(
     max_model_len: int | None = None,
     priority: int = 0,
     cache_salt: str | None = None,
-    lora_request: Any = None,
+    lora_request: LoRARequest | None = None,
     data_parallel_rank: int | None = None,
 ) -> EngineCoreRequest:
     """A generation request for ``prompt_token_ids`` with vLLM-frontend defaults.

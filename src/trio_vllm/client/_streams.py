@@ -15,24 +15,17 @@ produced. A consumer that keeps up sees one output per engine step.
 
 from __future__ import annotations
 
-import collections
-import time
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
-import anyio
-import anyio.lowlevel
 import msgspec
+
+from ..protocol.structs import EngineCoreOutput, FinishReason
+from ._mailbox import YIELD_INTERVAL, Mailbox
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["RequestStream", "coalesce_outputs"]
-
-# How long a consumer that finds outputs buffered may go without yielding to other
-# tasks; it still checks for cancellation on every call. A full scheduler pass per
-# output was a third of the raw API's CPU at 1 output per message (bench firehose)
-# and most of a lagging stream consumer's (bench sync). get_output uses it too.
-YIELD_INTERVAL: Final = 0.001
+__all__ = ["YIELD_INTERVAL", "RequestStream", "coalesce_outputs"]
 
 # Fields merged specially; all others keep the newest non-nil value, except the ones in
 # _KEEP_FIRST, which only a request's first output carries.
@@ -124,13 +117,14 @@ def coalesce_outputs(a: Any, b: Any) -> Any:
     return merged
 
 
-class RequestStream:
+class RequestStream(Mailbox[EngineCoreOutput]):
     """The outputs of one request, in order: ``async for out in stream``.
 
     Obtained from ``async with client.generate(request) as stream``. Iteration yields
-    one EngineCoreOutput per engine step (or a coalesced one, see the module
-    documentation) and stops after the output that carries a ``finish_reason``, or
-    when the request was aborted through :meth:`~EngineCoreClient.abort_requests`.
+    one :class:`~trio_vllm.EngineCoreOutput` per engine step (or a coalesced one, see
+    the module documentation) and stops after the output that carries a
+    ``finish_reason``, or when the request was aborted through
+    :meth:`~trio_vllm.EngineCoreClient.abort_requests`.
 
     Errors: :class:`~trio_vllm.EngineDeadError` once the engine died and every output
     that arrived before is consumed. Cancellation: a cancelled ``__anext__`` consumed
@@ -148,20 +142,16 @@ class RequestStream:
     def __init__(self, request_id: str, rank: int, *, max_pending: int = 64) -> None:
         if max_pending < 1:
             raise ValueError("max_pending must be at least 1")
+        super().__init__()
         self.request_id = request_id
         self.rank = rank
         self.max_pending = max_pending
-        self.finish_reason: int | None = None
+        self.finish_reason: FinishReason | None = None
         self.aborted = False
         self.coalesced = 0
-        self._pending: collections.deque[Any] = collections.deque()
-        self._wakeup = anyio.Event()
         self._received_final = False  # the receive task saw the finishing output
         self._done = False  # iteration is over (final output consumed, or aborted)
-        self._error: Callable[[], BaseException] | None = None
-        self._in_flight = False  # counted in the client's per-rank load (routing)
         self._lp_parts: list[Any] | None = None  # logprob rows merged into _pending[-1]
-        self._yield_due = 0.0  # until then __anext__ may skip yielding (see there)
 
     def __repr__(self) -> str:
         return (
@@ -176,7 +166,7 @@ class RequestStream:
 
     # -- producer side (receive task; synchronous, never blocks) -------------------
 
-    def _deliver(self, output: Any) -> None:
+    def _deliver(self, output: EngineCoreOutput) -> None:
         if self._received_final or self.aborted:
             return  # late output after finish/abort: ignore (PROTOCOL.md §3.4)
         pending = self._pending
@@ -195,9 +185,7 @@ class RequestStream:
         self._wakeup.set()
 
     def _fail(self, error: Callable[[], BaseException]) -> None:
-        if self._error is None:
-            self._error = error
-        self._wakeup.set()
+        self._close(error)
 
     def _abort_locally(self) -> None:
         self.aborted = True
@@ -210,7 +198,10 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    def _take(self) -> Any:
+    def _at_end(self) -> bool:
+        return self._done or self.aborted
+
+    def _take(self) -> EngineCoreOutput:
         output = self._pending.popleft()
         if not self._pending and self._lp_parts is not None:
             _finish_merge(output, self._lp_parts)
@@ -219,49 +210,6 @@ class RequestStream:
             self.finish_reason = output.finish_reason
             self._done = True
         return output
-
-    async def __anext__(self) -> Any:
-        # While outputs are buffered, yield to other tasks at most once per interval
-        # (always checking for cancellation): a full scheduler pass per output was most
-        # of a lagging consumer's cost. Either way a cancelled call consumed nothing.
-        if self._pending and time.monotonic() < self._yield_due:
-            await anyio.lowlevel.checkpoint_if_cancelled()
-            return self._take()
-        await anyio.lowlevel.checkpoint()
-        while True:
-            self._yield_due = time.monotonic() + YIELD_INTERVAL
-            if self._pending:
-                return self._take()
-            if self._done or self.aborted:
-                raise StopAsyncIteration
-            if self._error is not None:
-                raise self._error()
-            if self._wakeup.is_set():
-                self._wakeup = anyio.Event()
-            # Waiting is a checkpoint: a woken call returns without another one.
-            await self._wakeup.wait()
-
-    def receive_nowait(self) -> Any:
-        """The next output if one has arrived, without waiting (not a checkpoint).
-
-        Raises ``anyio.WouldBlock`` when none is buffered yet, ``anyio.EndOfStream``
-        after the last one, and :class:`~trio_vllm.EngineDeadError` as :meth:`receive`
-        does (once every output that arrived before the death is consumed).
-        """
-        if self._pending:
-            return self._take()
-        if self._done or self.aborted:
-            raise anyio.EndOfStream
-        if self._error is not None:
-            raise self._error()
-        raise anyio.WouldBlock
-
-    async def receive(self) -> Any:
-        """The next output; ``anyio.EndOfStream`` after the last one."""
-        try:
-            return await self.__anext__()
-        except StopAsyncIteration:
-            raise anyio.EndOfStream from None
 
     async def collect(self) -> list[int]:
         """Consume the rest of the stream and return all new token ids, concatenated."""

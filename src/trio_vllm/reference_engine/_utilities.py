@@ -14,6 +14,7 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..protocol.profiles import PROFILES
 from ._scheduler import FinishReason, PauseState
 
 if TYPE_CHECKING:
@@ -177,7 +178,8 @@ class Utilities:
         max_iterations: int | None = None,
         profiler_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        limit = {"0.25.1": 2, "0.32.0": 4, "0.33.0": 5}[self._server.profile_name]
+        # The release's own argument count, from its profile (as the client trims).
+        limit = PROFILES[self._server.profile_name].utility_arity["profile"][1]
         if self._server.last_utility_argc > limit:
             raise UtilityError("")
         self._profiling = bool(is_start)

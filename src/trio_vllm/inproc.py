@@ -32,9 +32,9 @@ import importlib
 import importlib.metadata
 from typing import TYPE_CHECKING, Any, final
 
-from ..protocol.codec import ClientCodec
-from ..protocol.profiles import profile_for_version
-from ..protocol.structs import EngineCoreOutputs, EngineCoreRequest
+from .protocol.codec import ClientCodec
+from .protocol.profiles import profile_for_version
+from .protocol.structs import EngineCoreOutputs, EngineCoreRequest
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator, Mapping

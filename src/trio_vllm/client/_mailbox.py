@@ -1,0 +1,121 @@
+"""The client's one queue primitive: a deque and an event, filled without blocking.
+
+The receive task puts items with a synchronous call (never a checkpoint, never
+blocks); consumers await them. :class:`Mailbox` is used as it is for the engine
+events and the raw ``get_output`` batches, and extended by
+:class:`~trio_vllm.RequestStream`, which merges into its newest item instead of
+queueing once it holds ``max_pending`` (O(1) coalescing, see ``_streams.py``).
+
+Ending: :meth:`Mailbox.close` with no error ends iteration (``anyio.EndOfStream``
+from :meth:`~Mailbox.receive`) once the queue is empty; with an error factory every
+later call raises a fresh error from it, also once the queue is empty, so items
+that arrived before the end are always handed out first.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import TYPE_CHECKING, Final, Generic, TypeVar
+
+import anyio
+import anyio.lowlevel
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["YIELD_INTERVAL", "Mailbox"]
+
+T = TypeVar("T")
+
+# How long a consumer that finds items buffered may go without yielding to other
+# tasks; it still checks for cancellation on every call. A full scheduler pass per
+# output was a third of the raw API's CPU at 1 output per message (bench firehose)
+# and most of a lagging stream consumer's (bench sync).
+YIELD_INTERVAL: Final = 0.001
+
+
+class Mailbox(Generic[T]):
+    """An unbounded single-consumer queue fed synchronously by the receive task.
+
+    Cancellation: a cancelled :meth:`receive` consumed nothing; the next call returns
+    the same item.
+    """
+
+    def __init__(self) -> None:
+        self._pending: collections.deque[T] = collections.deque()
+        self._wakeup = anyio.Event()
+        self._ended = False  # no more items will come (after the queued ones)
+        self._error: Callable[[], BaseException] | None = None
+        self._yield_due = 0.0  # until then a call that finds items may skip yielding
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    # -- producer side (synchronous, never blocks) ---------------------------------
+
+    def _put(self, item: T) -> None:
+        if not self._ended:
+            self._pending.append(item)
+            self._wakeup.set()
+
+    def _close(self, error: Callable[[], BaseException] | None = None) -> None:
+        """No more items; with ``error``, calls raise ``error()`` once the queue is empty."""
+        if error is None:
+            self._ended = True
+        elif self._error is None:
+            self._error = error
+        self._wakeup.set()
+
+    # -- consumer side ---------------------------------------------------------------
+
+    def _take(self) -> T:
+        return self._pending.popleft()
+
+    def _at_end(self) -> bool:
+        return self._ended
+
+    def __aiter__(self) -> Mailbox[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        # While items are buffered, yield to other tasks at most once per interval
+        # (always checking for cancellation): a full scheduler pass per item was most
+        # of a lagging consumer's cost. Either way a cancelled call consumed nothing.
+        if self._pending and time.monotonic() < self._yield_due:
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return self._take()
+        await anyio.lowlevel.checkpoint()
+        while True:
+            self._yield_due = time.monotonic() + YIELD_INTERVAL
+            if self._pending:
+                return self._take()
+            if self._at_end():
+                raise StopAsyncIteration
+            if self._error is not None:
+                raise self._error()
+            if self._wakeup.is_set():
+                self._wakeup = anyio.Event()
+            # Waiting is a checkpoint: a woken call returns without another one.
+            await self._wakeup.wait()
+
+    def receive_nowait(self) -> T:
+        """The next item if one is queued, without waiting (not a checkpoint).
+
+        Raises ``anyio.WouldBlock`` when none is, ``anyio.EndOfStream`` after the
+        last one, or the error the mailbox was closed with.
+        """
+        if self._pending:
+            return self._take()
+        if self._at_end():
+            raise anyio.EndOfStream
+        if self._error is not None:
+            raise self._error()
+        raise anyio.WouldBlock
+
+    async def receive(self) -> T:
+        """The next item; ``anyio.EndOfStream`` after the last one."""
+        try:
+            return await self.__anext__()
+        except StopAsyncIteration:
+            raise anyio.EndOfStream from None

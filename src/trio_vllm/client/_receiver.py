@@ -1,0 +1,229 @@
+"""The client's receiving side: the receive task and the input-socket guard.
+
+:class:`Receiver` reads the output socket (one receive task) and guards the input
+socket, handing everything to the session and its actions to the client's
+``apply``. It also owns the *drain first* step of the one death path: a death noticed
+outside the output stream (:meth:`Receiver.wake`) is declared only after the output
+socket went quiet, so what the engine sent before reaches its streams first.
+Its tasks end on close or death and never raise.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Final
+
+import anyio
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from .._exceptions import ProtocolError
+from ..protocol.handshake import rank_for_identity
+from ..protocol.session import RankState
+from ._startup import _bytes
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from ..protocol.session import Action, ClientSession
+    from ..transport import AsyncSocket
+    from ._startup import HandshakeRun, Sockets
+    from ._wire import Wire
+
+__all__ = ["Receiver"]
+
+# After a death noticed outside the output stream: drain the engine's last outputs until
+# quiet this long, at most _EXIT_DRAIN_S, then declare it (inside the 100 ms promise).
+_EXIT_QUIET_S: Final = 0.004
+_EXIT_DRAIN_S: Final = 0.03
+
+logger = logging.getLogger("trio_vllm.client")
+
+
+class Receiver:
+    """The receive task and the input guard of one client (see the module docs)."""
+
+    def __init__(
+        self,
+        session: ClientSession,
+        sockets: Sockets,
+        wire: Wire,
+        apply: Callable[[list[Action]], None],
+        join: Callable[[], HandshakeRun | None],
+    ) -> None:
+        self._session = session
+        self._sockets = sockets
+        self._input = sockets.input
+        self._wire = wire
+        self._apply = apply
+        self._join = join
+        self.closing = False  # open_client is closing: a closed socket is no death
+        self._receiving = False
+        self._scope: anyio.CancelScope | None = None
+
+    def die(self, message: str, cause: BaseException | None = None) -> None:
+        self._apply(self._session.rank_died(None, message, cause))
+
+    def wake(self) -> None:
+        """A death was noticed: the receive task drains, then declares it; without a
+        receive task running it is declared at once."""
+        if not self._receiving:
+            self._apply(self._session.declare_noticed())
+        elif self._scope is not None:
+            self._scope.cancel()
+
+    def handle_frames(self, frames: Sequence[bytes | zmq.Frame]) -> None:
+        """Route one output-socket message; raises ProtocolError on bad input."""
+        self._apply(self._session.receive(self._wire.decode_outputs(frames)))
+
+    async def receive_loop(self) -> None:
+        """Receive task for the output socket; ends on close or death, never raises."""
+        socket = self._sockets.output
+        session = self._session
+        self._receiving = True
+        try:
+            while not session.dead:
+                batch: list[list[bytes | zmq.Frame]] = []
+                with anyio.CancelScope() as scope:
+                    self._scope = scope
+                    if session.noticed:
+                        scope.cancel()
+                    # Cancelled while waiting: nothing was dequeued (transport contract).
+                    batch = await socket.receive_batch()
+                self._scope = None
+                for frames in batch:
+                    self.handle_frames(frames)
+                    if self._session.dead:
+                        return
+                if session.noticed:
+                    await self.drain_after_exit(socket)
+                    self._apply(session.declare_noticed())
+        except anyio.ClosedResourceError:
+            if not self.closing:
+                self.die("output socket closed")
+        except ProtocolError as exc:
+            self.die(f"protocol error on the output socket: {exc}", exc)
+        except Exception as exc:  # cancellation is a BaseException: it passes through
+            self.die(f"receive task failed: {exc!r}", exc)
+        finally:
+            self._scope = None
+            self._receiving = False
+
+    async def drain_after_exit(self, socket: AsyncSocket) -> None:
+        """Handle what a dead engine sent before its death was noticed: read until the
+        socket has been quiet for a few ms (ZeroMQ's I/O thread may still be moving the
+        last messages from the kernel), at most ``_EXIT_DRAIN_S``."""
+        deadline = anyio.current_time() + _EXIT_DRAIN_S
+        quiet_since: float | None = None
+        while not self._session.dead:
+            # The deadline is checked on every message, not only when the socket is
+            # empty: with data parallelism other engines share the socket, and one that
+            # keeps it full would otherwise hold the death back until it goes quiet.
+            now = anyio.current_time()
+            if now >= deadline:
+                return
+            try:
+                frames = socket.receive_nowait()
+            except anyio.WouldBlock:
+                if quiet_since is None:
+                    quiet_since = now
+                if now - quiet_since >= _EXIT_QUIET_S:
+                    return
+                await anyio.sleep(0.001)
+                continue
+            quiet_since = None
+            self.handle_frames(frames)
+
+    async def guard_input(self) -> None:
+        """After startup an engine sends on the input socket only a join's ready
+        response; late words of a retired, lost or failed-join rank are dropped;
+        anything else is a protocol error that makes the client dead. With a monitor
+        (engines whose process we cannot watch), a dropped engine connection is a
+        death too. Ends on close or death, never raises."""
+        monitor = self._sockets.monitor
+        if monitor is None:
+            await self._guard_input_messages()
+            return
+        async with anyio.create_task_group() as tg:
+
+            async def guard_messages() -> None:
+                await self._guard_input_messages()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(guard_messages)
+            await self._watch_disconnects(monitor)
+            tg.cancel_scope.cancel()
+
+    async def _guard_input_messages(self) -> None:
+        try:
+            while not self._session.dead:
+                for message in await self._input.receive_batch():
+                    identity = _bytes(message[0]) if message else b""
+                    try:
+                        rank: int | None = rank_for_identity(identity)
+                    except ProtocolError:
+                        rank = None
+                    verdict = self._session.input_message(rank)
+                    join = self._join()
+                    if verdict == "join" and join is not None and len(message) == 2:
+                        join.receive_input(identity, _bytes(message[1]))
+                        continue
+                    if verdict == "drop":
+                        logger.debug("dropped a late message from rank %s", rank)
+                        continue
+                    what = "engine" if rank in self._session.ranks else "unexpected identity"
+                    exc = ProtocolError(
+                        f"message on the input socket from {what} {identity.hex() or '(none)'}"
+                        f" (rank {rank}) after startup, {len(message)} frame(s); engines send "
+                        "only their ready response there"
+                    )
+                    self.die(f"protocol error on the input socket: {exc}", exc)
+                    return
+        except anyio.ClosedResourceError:
+            return
+        except Exception as exc:  # cancellation is a BaseException: it passes through
+            self.die(f"input socket failed: {exc!r}", exc)
+
+    async def _watch_disconnects(self, monitor: AsyncSocket) -> None:
+        endpoint_ranks = self._sockets.endpoint_ranks
+        try:
+            while not self._session.dead:
+                for frames in await monitor.receive_batch():
+                    event = parse_monitor_message([_bytes(f) for f in frames])
+                    if event["event"] != zmq.EVENT_DISCONNECTED or self.closing:
+                        continue
+                    raw_endpoint: object = event["endpoint"]
+                    endpoint = (
+                        raw_endpoint.decode(errors="replace")
+                        if isinstance(raw_endpoint, bytes)
+                        else str(raw_endpoint)
+                    )
+                    if endpoint_ranks and endpoint not in endpoint_ranks:
+                        continue  # an engine whose process exit is watched instead
+                    behind = endpoint_ranks.get(endpoint, [])
+                    ranks = [
+                        r
+                        for r in behind
+                        if self._session.state(r) in (RankState.LIVE, RankState.RETIRING)
+                    ]
+                    if not ranks and behind:
+                        continue  # a retired or already lost engine
+                    message = (
+                        f"lost the connection to an engine on the input socket "
+                        f"({endpoint}): the engine process or its host is gone"
+                    )
+                    if self._session.on_engine_death == "continue" and ranks:
+                        # Several engines of one source behind this endpoint: the
+                        # connection does not say which left, and a headless vLLM
+                        # launcher stops all its engines when one dies (§2.3), so the
+                        # source is the unit that is lost.
+                        for rank in ranks:
+                            self._session.notice_rank(rank, message)
+                    else:
+                        self._session.notice_rank(ranks[0] if len(ranks) == 1 else None, message)
+                    logger.info("%s", message)
+                    self.wake()
+        except anyio.ClosedResourceError:
+            return
+        except Exception as exc:  # cancellation is a BaseException: it passes through
+            self.die(f"input socket monitor failed: {exc!r}", exc)

@@ -1,0 +1,773 @@
+"""The client's rules, sans-I/O: ranks, requests, utility calls, death, waves, routing.
+
+:class:`ClientSession` is what :class:`~trio_vllm.EngineCoreClient` decides, with the
+deciding separated from the doing, in h11's manner: the I/O shell feeds it what
+happened (a decoded output message, a send that found no peer, a process exit, a
+call or request the user started) and gets back a list of *actions* to carry out
+(:class:`Deliver` an output to a stream, :class:`QueueRaw` a batch for
+``get_output``, :class:`ResolveCall`, :class:`FailCall`, :class:`FailRequest`,
+:class:`EmitEvent`, :class:`SendWave`, :class:`RankDrained`, :class:`Died`). Nothing
+here awaits, reads a socket or imports trio, anyio or zmq; the tests drive it message
+by message.
+
+The rules it holds, each in one place:
+
+* one rank table: every rank is JOINING, LIVE, RETIRING, RETIRED or LOST (with the
+  reason). A rank that failed to join is RETIRED without ever having served: late
+  words from a RETIRED or LOST rank are dropped quietly, never a protocol error;
+* one request registry: each stream or raw request is counted into the load balancer
+  once when started and out once (final output, abort, its rank's loss);
+* the utility-call table: reserved call ids (-1, -2; PROTOCOL.md §6.4) become engine
+  events and are never matched; calls pending on a rank that is retired or lost fail;
+* one frozen :class:`DeathRecord`: the first death wins, every waiter (streams,
+  calls, a join in progress) fails with an error built from it, and
+  ``on_engine_death`` ("fail" or "continue") decides whether one rank's loss is the
+  client's death;
+* death noticed outside the output stream (a send that found no peer, a dropped
+  connection, a process exit) is only *noticed* first (:meth:`ClientSession.notice_rank`,
+  :meth:`ClientSession.notice_exit`): the shell drains the output socket and then calls
+  :meth:`ClientSession.declare_noticed`, so outputs that arrived before a death are
+  delivered before its error, whichever path noticed it;
+* DP waves (:class:`~trio_vllm.protocol.routing.WaveTracker`) and raw interest: a batch
+  with only stats or wave fields is queued for ``get_output`` only while someone uses
+  the raw API (raw requests live, a ``get_output`` waiting, or one in the last
+  :data:`RAW_INTEREST_S` seconds).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import random
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final, Literal
+
+import msgspec
+
+from .._exceptions import EngineDeadError, ProtocolError
+from .routing import LoadBalancer, StartWave, WaveTracker
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    from .structs import EngineCoreOutput, EngineCoreOutputs
+
+__all__ = [
+    "RAW_INTEREST_S",
+    "RESERVED_CALL_IDS",
+    "Action",
+    "ClientSession",
+    "DeathRecord",
+    "Deliver",
+    "Died",
+    "EmitEvent",
+    "EngineEvent",
+    "FailCall",
+    "FailRequest",
+    "QueueRaw",
+    "RankDrained",
+    "RankState",
+    "ResolveCall",
+    "SendWave",
+]
+
+# Reserved engine-initiated call ids (PROTOCOL.md §6.4): never matched to calls.
+RESERVED_CALL_IDS: Final = frozenset({-1, -2})
+# How long after the last get_output call stats-only batches are still queued when no
+# raw request is live: long enough for a consumer that handles each batch slowly, short
+# enough that a program that once read get_output and then only streams stops queueing.
+RAW_INTEREST_S: Final = 2.0
+_ENGINE_CORE_DEAD_MESSAGE: Final = (
+    "engine core sent ENGINE_CORE_DEAD (a fatal error in the engine; see its log)"
+)
+
+
+class RankState(enum.Enum):
+    """Where a data-parallel rank stands in the client."""
+
+    JOINING = "joining"  # add_engines handshake in progress
+    LIVE = "live"  # gets new requests
+    RETIRING = "retiring"  # retire_rank: no new requests, draining
+    RETIRED = "retired"  # drained and stopped, or its join failed: exits are expected
+    LOST = "lost"  # died while the client kept running (on_engine_death="continue")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEvent:
+    """Something an engine told the client unasked, or a rank's loss; see
+    :attr:`EngineCoreClient.engine_events`.
+
+    ``kind``: ``"elastic_ep"`` (call id -1: ``payload`` is ``[type, dp_rank]``, e.g.
+    ``["RECONFIGURE_FINISHED", 2]``), ``"fault_tolerance"`` (call id -2: ``payload``
+    is the status map), or ``"rank_lost"`` (``on_engine_death="continue"``: the rank
+    died; ``payload`` is ``{"message": str, "requests": [ids failed]}``) and
+    ``"rank_retired"`` (:meth:`EngineCoreClient.retire_rank` finished).
+    """
+
+    kind: str
+    rank: int | None
+    payload: object
+
+
+@dataclass(frozen=True, slots=True)
+class DeathRecord:
+    """Why something is gone; :meth:`error` builds the exception waiters raise."""
+
+    message: str
+    rank: int | None = None
+    cause: BaseException | None = None
+
+    def error(self) -> EngineDeadError:
+        """A fresh :class:`EngineDeadError` (one shared instance would collect tracebacks)."""
+        error = EngineDeadError(self.message, rank=self.rank)
+        error.__cause__ = self.cause
+        return error
+
+
+# ---------------------------------------------------------------------- actions
+# Plain slotted classes (not frozen dataclasses), made at most once per message.
+
+
+class Deliver(tuple[object, "EngineCoreOutput"]):
+    """``(handle, output)``: hand ``output`` to the stream ``handle`` (the shell's
+    object, opaque here). The hot path, one per output: :meth:`ClientSession.receive`
+    appends plain 2-tuples of this shape (a tuple costs a tenth of an object), which
+    the shell tells from the other actions by ``type(action) is tuple``; this class
+    only names the shape (``Deliver(handle, output)`` builds one for tests)."""
+
+    __slots__ = ()
+
+    def __new__(cls, handle: object, output: EngineCoreOutput) -> Deliver:
+        return super().__new__(cls, (handle, output))
+
+
+class QueueRaw:
+    """Queue ``outputs`` (only the raw requests' outputs left in it) for get_output."""
+
+    __slots__ = ("outputs",)
+
+    def __init__(self, outputs: EngineCoreOutputs) -> None:
+        self.outputs = outputs
+
+
+class ResolveCall:
+    """A utility reply for the call ``handle``: ``failure`` is the engine's message."""
+
+    __slots__ = ("failure", "handle", "result")
+
+    def __init__(self, handle: object, failure: str | None, result: object) -> None:
+        self.handle = handle
+        self.failure = failure
+        self.result = result
+
+
+class FailCall:
+    """The call ``handle`` fails with ``record.error()``."""
+
+    __slots__ = ("handle", "record")
+
+    def __init__(self, handle: object, record: DeathRecord) -> None:
+        self.handle = handle
+        self.record = record
+
+
+class FailRequest:
+    """The stream ``handle`` fails with ``record.error()`` once its outputs are read."""
+
+    __slots__ = ("handle", "record")
+
+    def __init__(self, handle: object, record: DeathRecord) -> None:
+        self.handle = handle
+        self.record = record
+
+
+class EmitEvent:
+    """Queue ``event`` on the client's engine events."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: EngineEvent) -> None:
+        self.event = event
+
+
+class SendWave:
+    """Send START_DP_WAVE ``(start.wave, start.exclude)`` to each rank of ``start.ranks``
+    (lost ranks already left out), without waiting."""
+
+    __slots__ = ("start",)
+
+    def __init__(self, start: StartWave) -> None:
+        self.start = start
+
+
+class RankDrained:
+    """The retiring ``rank`` has nothing in flight any more (or is gone): wake retire."""
+
+    __slots__ = ("rank",)
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+
+class Died:
+    """The client is dead: wake every waiter (the streams and calls got their own
+    actions just before); ``record`` says why."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: DeathRecord) -> None:
+        self.record = record
+
+
+Action = (
+    tuple[object, "EngineCoreOutput"] | QueueRaw | ResolveCall | FailCall | FailRequest
+    | EmitEvent | SendWave | RankDrained | Died
+)  # fmt: skip
+
+
+class _Rank:
+    __slots__ = ("reason", "served", "state")
+
+    def __init__(self, state: RankState, *, served: bool) -> None:
+        self.state = state
+        self.served = served  # finished startup or a join (failed joins never did)
+        self.reason: str | None = None
+
+
+class _Request:
+    __slots__ = ("counted", "handle", "rank")
+
+    def __init__(self, rank: int, handle: object | None) -> None:
+        self.rank = rank
+        self.handle = handle  # the stream; None for a raw request
+        self.counted = True  # still in the balancer's in-flight count
+
+
+class _Call:
+    __slots__ = ("handle", "method", "rank")
+
+    def __init__(self, method: str, rank: int, handle: object) -> None:
+        self.method = method
+        self.rank = rank
+        self.handle = handle
+
+
+class ClientSession:
+    """The state of one client over its engines; see the module documentation.
+
+    Methods that change state return the actions to carry out, in order. Methods that
+    refuse raise ``ValueError`` (a caller's mistake) or :class:`EngineDeadError` (no
+    engine to serve it) before changing anything.
+    """
+
+    def __init__(
+        self,
+        ranks: Iterable[int],
+        *,
+        on_engine_death: Literal["fail", "continue"] = "fail",
+        waves: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if on_engine_death not in ("fail", "continue"):
+            raise ValueError(
+                f"on_engine_death must be 'fail' or 'continue', got {on_engine_death!r}"
+            )
+        initial = sorted(set(ranks))
+        self._ranks: dict[int, _Rank] = {r: _Rank(RankState.LIVE, served=True) for r in initial}
+        self._balancer = LoadBalancer(initial)
+        self._waves = WaveTracker(initial) if waves else None
+        self.on_engine_death: Literal["fail", "continue"] = on_engine_death
+        self._requests: dict[str, _Request] = {}
+        self._raw_live = 0
+        self._calls: dict[int, _Call] = {}
+        # vLLM uses uuid1().int >> 64; any int but -1/-2 works. Random start, then count.
+        self._call_ids = itertools.count(random.getrandbits(62) + 1)
+        self._clock = clock
+        self._raw_interest_until = -1.0
+        self.raw_called = False  # get_output / add_request since the last check
+        self.raw_waiters = 0  # get_output calls waiting now (the shell counts them)
+        self.death: DeathRecord | None = None
+        self._noticed: list[tuple[tuple[int, ...] | None, str, BaseException | None]] = []
+        # ENGINE_CORE_DEAD carries no rank: with several live ranks in "continue" mode
+        # the process exit or dropped connection that follows names the rank (§8.3).
+        self.unattributed_deaths = 0
+
+    # ------------------------------------------------------------------ ranks
+
+    @property
+    def ranks(self) -> list[int]:
+        """Every rank that served (live, retiring, retired or lost), ascending."""
+        return sorted(r for r, info in self._ranks.items() if info.served)
+
+    @property
+    def live_ranks(self) -> list[int]:
+        """Ranks new requests may go to."""
+        return self._balancer.live_ranks
+
+    @property
+    def lost_ranks(self) -> dict[int, str]:
+        """Rank -> why it is gone, for ranks lost while the client kept running."""
+        return {
+            r: info.reason or ""
+            for r, info in sorted(self._ranks.items())
+            if info.state is RankState.LOST
+        }
+
+    def state(self, rank: int) -> RankState | None:
+        """The rank's state (``None`` for a rank this client never knew)."""
+        info = self._ranks.get(rank)
+        return None if info is None else info.state
+
+    def in_flight(self, rank: int) -> int:
+        return self._balancer.in_flight(rank)
+
+    @property
+    def current_wave(self) -> int | None:
+        return None if self._waves is None else self._waves.current_wave
+
+    @property
+    def waves_started(self) -> int:
+        return 0 if self._waves is None else self._waves.waves_started
+
+    def _ranks_changed(self) -> None:
+        if self._waves is not None:
+            self._waves.set_ranks(self._balancer.live_ranks)
+
+    def input_message(self, rank: int | None) -> Literal["join", "drop", "error"]:
+        """What to do with a message on the input socket after startup from ``rank``
+        (``None``: not a rank identity): a joining rank's ready response goes to its
+        join; a retired or lost rank's late words are dropped; anything else is a
+        protocol error (engines send only their ready response there)."""
+        info = None if rank is None else self._ranks.get(rank)
+        if info is None or info.state is RankState.LIVE or info.state is RankState.RETIRING:
+            return "error"
+        return "join" if info.state is RankState.JOINING else "drop"
+
+    def begin_join(self, ranks: Iterable[int]) -> None:
+        """add_engines starts: ``ValueError`` if any rank is known (even a failed join's)."""
+        self._check_alive()
+        new = sorted(set(ranks))
+        overlap = [r for r in new if r in self._ranks]
+        if overlap:
+            raise ValueError(f"rank(s) {overlap} are already known to this client")
+        for rank in new:
+            self._ranks[rank] = _Rank(RankState.JOINING, served=False)
+
+    def join_failed(self, ranks: Iterable[int], reason: str) -> None:
+        """The join gave up (error, timeout, cancellation): its ranks become RETIRED
+        without having served, so their late answers and exits are expected."""
+        for rank in ranks:
+            info = self._ranks.get(rank)
+            if info is not None and info.state is RankState.JOINING:
+                info.state = RankState.RETIRED
+                info.reason = reason
+
+    def join_complete(self, ranks: Iterable[int]) -> None:
+        """The join's handshake completed: its ranks get requests from now on."""
+        for rank in ranks:
+            info = self._ranks[rank]
+            if info.state is RankState.JOINING:
+                info.state = RankState.LIVE
+                info.served = True
+                self._balancer.add(rank)
+        self._ranks_changed()
+
+    def begin_retire(self, rank: int) -> list[str]:
+        """retire_rank starts: stop routing to ``rank``; returns its live request ids
+        (for an abort without drain). ``ValueError`` for an unknown, gone or last rank."""
+        self._check_alive()
+        info = self._ranks.get(rank)
+        if info is None or info.state is not RankState.LIVE:
+            raise ValueError(f"rank {rank} is not a live engine of this client")
+        if self._balancer.live_ranks == [rank]:
+            raise ValueError(f"rank {rank} is the last live engine; close the client instead")
+        info.state = RankState.RETIRING
+        self._balancer.remove(rank)
+        self._ranks_changed()
+        return [rid for rid, req in self._requests.items() if req.rank == rank and req.counted]
+
+    def finish_retire(self, rank: int) -> list[Action]:
+        """The rank drained and is being stopped: calls still pending there fail (its
+        process is gone, no reply will come) and a ``rank_retired`` event follows."""
+        info = self._ranks[rank]
+        if info.state is not RankState.RETIRING:
+            raise ValueError(f"rank {rank} is not retiring")
+        info.state = RankState.RETIRED
+        info.reason = "retired"
+        record = DeathRecord(
+            f"engine rank {rank} was retired (retire_rank) while the call was pending", rank
+        )
+        actions: list[Action] = [FailCall(call.handle, record) for call in self._take_calls(rank)]
+        actions.append(EmitEvent(EngineEvent("rank_retired", rank, None)))
+        return actions
+
+    def exit_expected(self, ranks: Iterable[int]) -> bool:
+        """Whether a process serving ``ranks`` may exit without it being a death."""
+        return all(
+            (info := self._ranks.get(r)) is not None and info.state is RankState.RETIRED
+            for r in ranks
+        )
+
+    # ------------------------------------------------------------------ death
+
+    @property
+    def dead(self) -> bool:
+        return self.death is not None
+
+    def dead_error(self) -> EngineDeadError:
+        """The error every call raises once dead."""
+        record = self.death or DeathRecord("engine core is dead")
+        return record.error()
+
+    def _check_alive(self) -> None:
+        if self.death is not None:
+            raise self.death.error()
+
+    def rank_record(self, rank: int) -> DeathRecord:
+        """Why work of ``rank`` can no longer be served (the client's death first)."""
+        if self.death is not None:
+            return self.death
+        info = self._ranks.get(rank)
+        if info is not None and info.state is RankState.LOST:
+            return DeathRecord(f"engine rank {rank} died: {info.reason}", rank)
+        return DeathRecord("engine core is dead")
+
+    def close(self, message: str = "the client is closed (open_client exited)") -> list[Action]:
+        """The client is closing: it is dead from now on (if not already)."""
+        return self._die(message, None, None)
+
+    def _die(self, message: str, rank: int | None, cause: BaseException | None) -> list[Action]:
+        if self.death is not None:
+            return []
+        record = self.death = DeathRecord(message, rank, cause)
+        actions: list[Action] = [FailCall(c.handle, record) for c in self._calls.values()]
+        self._calls.clear()
+        actions.extend(
+            FailRequest(req.handle, record)
+            for req in self._requests.values()
+            if req.handle is not None
+        )
+        actions.append(Died(record))
+        return actions
+
+    def rank_died(
+        self, rank: int | None, message: str, cause: BaseException | None = None
+    ) -> list[Action]:
+        """One rank is gone (``None``: unknown which): the client dies (``"fail"``, as
+        vLLM does), or with ``"continue"`` only that rank's requests and calls fail and
+        a ``rank_lost`` event is queued; the client dies with its last rank."""
+        if self.death is not None:
+            return []
+        info = None if rank is None else self._ranks.get(rank)
+        if info is not None and info.state in (RankState.LOST, RankState.RETIRED):
+            return []  # already gone, or gone as expected
+        if self.on_engine_death != "continue" or rank is None or info is None or not info.served:
+            return self._die(message, rank, cause)
+        was_retiring = info.state is RankState.RETIRING
+        info.state = RankState.LOST
+        info.reason = message
+        self._balancer.remove(rank)
+        self._ranks_changed()
+        if not self._balancer.live_ranks:
+            return self._die(f"every engine is gone; the last: {message}", rank, cause)
+        record = DeathRecord(f"engine rank {rank} died: {message}", rank, cause)
+        actions: list[Action] = [FailCall(c.handle, record) for c in self._take_calls(rank)]
+        failed: list[str] = []
+        for request_id, req in list(self._requests.items()):
+            if req.rank != rank or not req.counted:
+                continue
+            failed.append(request_id)
+            self._release(req)
+            if req.handle is None:
+                del self._requests[request_id]
+                self._raw_live -= 1
+            else:
+                actions.append(FailRequest(req.handle, record))
+        if was_retiring:
+            actions.append(RankDrained(rank))
+        actions.append(
+            EmitEvent(EngineEvent("rank_lost", rank, {"message": message, "requests": failed}))
+        )
+        return actions
+
+    # Deaths noticed outside the output stream: drain first, then declare.
+
+    def notice_rank(
+        self, rank: int | None, message: str, cause: BaseException | None = None
+    ) -> DeathRecord:
+        """A send found no peer for ``rank`` or its connection dropped. Nothing changes
+        until :meth:`declare_noticed` (after the shell drained the output socket).
+        Returns the record the caller that noticed it raises now."""
+        if self.death is not None:
+            return self.death
+        self._noticed.append((None if rank is None else (rank,), message, cause))
+        if rank is not None and self.on_engine_death == "continue":
+            return DeathRecord(f"engine rank {rank} died: {message}", rank, cause)
+        return DeathRecord(message, rank, cause)
+
+    def notice_exit(self, ranks: tuple[int, ...], description: str) -> bool:
+        """An engine process serving ``ranks`` exited; False if that was expected
+        (retired, failed join) or the client is dead already, so nothing to declare."""
+        if self.death is not None or self.exit_expected(ranks):
+            return False
+        message = f"engine process died: {description}"
+        if self.on_engine_death == "continue":
+            for rank in ranks:
+                self._noticed.append(((rank,), message, None))
+        else:
+            self._noticed.append((ranks if len(ranks) == 1 else None, message, None))
+        return True
+
+    @property
+    def noticed(self) -> bool:
+        """Deaths noticed and not declared yet (the shell drains, then declares)."""
+        return bool(self._noticed)
+
+    def declare_noticed(self) -> list[Action]:
+        """Declare every noticed death, in the order noticed."""
+        noticed, self._noticed = self._noticed, []
+        actions: list[Action] = []
+        for ranks, message, cause in noticed:
+            rank = None if ranks is None or len(ranks) != 1 else ranks[0]
+            actions.extend(self.rank_died(rank, message, cause))
+        return actions
+
+    # ------------------------------------------------------------------ requests
+
+    def choose_rank(self, pinned: int | None = None) -> int:
+        """The one place that picks an engine: ``pinned``, else the least loaded live
+        rank. ``ValueError`` for an unknown or gone pinned rank, :class:`EngineDeadError`
+        when none is live."""
+        self._check_alive()
+        try:
+            return self._balancer.choose(pinned)
+        except LookupError:
+            raise self.dead_error() from None
+
+    def check_new(self, request_id: str) -> None:
+        """``ValueError`` if ``request_id`` is live on this client (a duplicate live id
+        would kill the engine, PROTOCOL.md §3.7)."""
+        if request_id in self._requests:
+            raise ValueError(
+                f"request id {request_id!r} is already live on this client; a duplicate "
+                "live id would kill the engine (PROTOCOL.md §3.7)"
+            )
+
+    def start_request(self, request_id: str, rank: int, handle: object | None = None) -> None:
+        """Register a request about to be sent to ``rank`` (a stream if ``handle`` is
+        given, else raw) and count it in the rank's load."""
+        self._check_alive()
+        self.check_new(request_id)
+        self._requests[request_id] = _Request(rank, handle)
+        if handle is None:
+            self._raw_live += 1
+            self.raw_api_used()
+        self._balancer.started(rank)
+
+    def request_sent(self, rank: int) -> list[Action]:
+        """The ADD went out: wake idle ranks for a DP wave if needed (§7.4)."""
+        if self._waves is None:
+            return []
+        return self._wave(self._waves.on_add(rank))
+
+    def end_request(self, request_id: str) -> list[Action]:
+        """Forget a request (send failed, stream block left): counted out if it was not
+        already. Idempotent."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return []
+        if req.handle is None:
+            self._raw_live -= 1
+        return self._release(req)
+
+    def abort(
+        self, request_ids: Iterable[str], rank: int | None = None
+    ) -> tuple[dict[int, list[str]], list[object], list[Action]]:
+        """Finish requests locally; return (rank -> ids to send ABORT to, the stream
+        handles to stop, actions: a retiring rank drained). Ids not running here
+                (unknown, finished) go to ``rank`` or to every live rank (aborting is
+        idempotent). Streams stay registered until their block is left but get no more
+        outputs.
+
+        Refuses before changing anything: ``ValueError`` for an unknown or gone
+        ``rank`` (when it is needed), :class:`EngineDeadError` once dead.
+        """
+        self._check_alive()
+        ids = list(request_ids)
+        requests = self._requests
+        targets: list[int] = []
+        if any(not self.is_counted(i) for i in ids):
+            targets = self.live_ranks if rank is None else [self.choose_rank(rank)]
+        by_rank: dict[int, list[str]] = {}
+        handles: list[object] = []
+        actions: list[Action] = []
+        for request_id in ids:
+            req = requests.get(request_id)
+            if req is None or not req.counted:
+                for target in targets:
+                    by_rank.setdefault(target, []).append(request_id)
+                continue
+            if req.handle is None:
+                del requests[request_id]
+                self._raw_live -= 1
+            else:
+                handles.append(req.handle)
+            actions.extend(self._release(req))
+            by_rank.setdefault(req.rank, []).append(request_id)
+        return by_rank, handles, actions
+
+    def is_counted(self, request_id: str) -> bool:
+        """Whether the request still waits for outputs (not finished, aborted or failed)."""
+        req = self._requests.get(request_id)
+        return req is not None and req.counted
+
+    @property
+    def live_requests(self) -> list[str]:
+        """Every registered request id (streams until their block is left, raw ones
+        until finished or aborted)."""
+        return list(self._requests)
+
+    def _release(self, req: _Request) -> list[Action]:
+        # Each request leaves the in-flight count exactly once.
+        if not req.counted:
+            return []
+        req.counted = False
+        rank = req.rank
+        self._balancer.ended(rank)
+        info = self._ranks.get(rank)
+        if (
+            info is not None
+            and info.state is RankState.RETIRING
+            and self._balancer.in_flight(rank) == 0
+        ):
+            return [RankDrained(rank)]
+        return []
+
+    # ------------------------------------------------------------------ raw interest
+
+    def raw_api_used(self) -> None:
+        """add_request / get_output was called: stats-only batches are queued a while.
+        (Cheap: a flag; the window is timed from the next stats-only batch, so the
+        call costs no clock read.)"""
+        self.raw_called = True
+
+    def _raw_interest(self) -> bool:
+        if self._raw_live > 0 or self.raw_waiters > 0:
+            return True
+        now = self._clock()
+        if self.raw_called:
+            self.raw_called = False
+            self._raw_interest_until = now + RAW_INTEREST_S
+        return now < self._raw_interest_until
+
+    # ------------------------------------------------------------------ utility calls
+
+    def start_call(self, method: str, rank: int, handle: object) -> int:
+        """Register a utility call to ``rank``; returns its call id (never -1 or -2)."""
+        self._check_alive()
+        if not method:
+            raise ValueError(f"method must be a non-empty string, got {method!r}")
+        call_id = next(self._call_ids)
+        self._calls[call_id] = _Call(method, rank, handle)
+        return call_id
+
+    def end_call(self, call_id: int) -> None:
+        """Forget a call (replied, failed or cancelled); a late reply is dropped."""
+        self._calls.pop(call_id, None)
+
+    @property
+    def pending_calls(self) -> int:
+        return len(self._calls)
+
+    def _take_calls(self, rank: int) -> list[_Call]:
+        taken = [cid for cid, call in self._calls.items() if call.rank == rank]
+        return [self._calls.pop(cid) for cid in taken]
+
+    # ------------------------------------------------------------------ routing
+
+    def _wave(self, start: StartWave | None) -> list[Action]:
+        if start is None:
+            return []
+        lost = [r for r in start.ranks if self.state(r) is RankState.LOST]
+        if lost:
+            ranks = tuple(r for r in start.ranks if r not in lost)
+            start = StartWave(start.wave, start.exclude, ranks)
+        return [SendWave(start)]
+
+    def receive(self, outputs: EngineCoreOutputs | None) -> list[Action]:
+        """Route one decoded output message (``None``: ENGINE_CORE_DEAD).
+
+        Raises :class:`ProtocolError` for an ``engine_index`` this client never knew
+        (the shell makes that the client's death).
+        """
+        if self.death is not None:
+            return []
+        if outputs is None:
+            live = self._balancer.live_ranks
+            if self.on_engine_death == "continue" and len(live) > 1:
+                self.unattributed_deaths += 1
+                return []
+            return self._die(_ENGINE_CORE_DEAD_MESSAGE, live[0] if len(live) == 1 else None, None)
+        index = outputs.engine_index
+        info = self._ranks.get(index)
+        if info is None:
+            raise ProtocolError(
+                f"output from unexpected engine_index {index!r} (expected one of {self.ranks})"
+            )
+        if not info.served or info.state is RankState.LOST:
+            return []  # a failed join's or a lost rank's late words
+        actions: list[Action] = []
+        stats = outputs.scheduler_stats
+        if stats is not None:
+            self._balancer.update_stats(index, stats.num_waiting_reqs, stats.num_running_reqs)
+        waves = self._waves
+        if waves is not None:
+            if outputs.wave_complete is not None:
+                busy = any(self._balancer.in_flight(r) for r in self._balancer.live_ranks)
+                start = waves.on_wave_complete(outputs.wave_complete, requests_in_flight=busy)
+                actions.extend(self._wave(start))
+            if outputs.start_wave is not None:
+                actions.extend(self._wave(waves.on_start_wave(outputs.start_wave, index)))
+        utility = outputs.utility_output
+        if utility is not None:
+            call_id = utility.call_id
+            value = None if utility.result is None else utility.result.result
+            if call_id in RESERVED_CALL_IDS:
+                kind = "elastic_ep" if call_id == -1 else "fault_tolerance"
+                actions.append(EmitEvent(EngineEvent(kind, index, value)))
+            else:
+                call = self._calls.pop(call_id, None)
+                if call is not None:
+                    actions.append(ResolveCall(call.handle, utility.failure_message, value))
+            if not outputs.outputs:
+                return actions
+        raw: list[EngineCoreOutput] = []
+        requests = self._requests
+        for output in outputs.outputs:
+            req = requests.get(output.request_id)
+            if req is None or not req.counted:
+                continue  # a late output of an aborted or finished request (§3.4)
+            final = output.finish_reason is not None
+            if req.handle is not None:
+                actions.append((req.handle, output))  # Deliver
+                if final:
+                    actions.extend(self._release(req))
+            else:
+                raw.append(output)
+                if final:
+                    del requests[output.request_id]
+                    self._raw_live -= 1
+                    actions.extend(self._release(req))
+        if raw or (
+            (
+                stats is not None
+                or outputs.wave_complete is not None
+                or outputs.start_wave is not None
+            )
+            and self._raw_interest()
+        ):
+            if len(raw) != len(outputs.outputs):
+                outputs = msgspec.structs.replace(outputs, outputs=raw)
+            actions.append(QueueRaw(outputs))
+        return actions
