@@ -58,6 +58,8 @@ async def raw_request(
                 data += await stream.receive()
         except (anyio.EndOfStream, anyio.BrokenResourceError):
             pass
+    if not data:  # accepted, then closed unanswered (a listener going away)
+        raise ConnectionResetError("the server closed the connection without a response")
     header_blob, _, rest = data.partition(b"\r\n\r\n")
     status_line, *header_lines = header_blob.decode("latin-1").split("\r\n")
     parsed = _headers(header_lines)

@@ -136,7 +136,7 @@ async def test_engine_sigkill_ends_every_stream_with_an_error(served: Served) ->
     async with anyio.create_task_group() as tg:
         for _ in range(20):
             tg.start_soon(one, results)
-        await wait_until(lambda: streaming == 20, timeout=10)
+        await wait_until(lambda: streaming == 20, timeout=30)
         (pid,) = served.app.llm.client.engine_pids.values()
         os.kill(pid, signal.SIGKILL)
     assert len(results) == 20
