@@ -49,6 +49,8 @@ from ..protocol.handshake import (
 )
 from ..protocol.routing import LoadBalancer, StartWave, WaveTracker
 from ..transport import AsyncSocket, PrivateIpcDir, tcp_endpoint
+from . import _args
+from ._owner import LoopOwner
 from ._streams import YIELD_INTERVAL, RequestStream
 from ._wire import Wire
 
@@ -201,6 +203,8 @@ class EngineCoreClient:
         on_engine_death: Literal["fail", "continue"] = "fail",
         waves: bool = False,
     ) -> None:
+        # Every public method refuses other threads and loops first (_owner.py).
+        self._owner = LoopOwner()
         self._input = input_socket
         self._ranks = list(ranks)
         self._rank_set = frozenset(ranks)
@@ -352,6 +356,7 @@ class EngineCoreClient:
 
     async def wait_dead(self) -> EngineDeadError:
         """Wait until the client is dead; return the error calls raise from then on."""
+        self._owner.check("wait_dead")
         await self._dead_event.wait()
         return self._dead_error()
 
@@ -547,6 +552,7 @@ class EngineCoreClient:
         id is live on this client. Cancellation: if cancelled, nothing was sent and the
         id is free again.
         """
+        self._owner.check("add_request")
         self._check_alive()
         request_id = self._check_new_request(request)
         target = self._request_target(request, rank)
@@ -579,6 +585,7 @@ class EngineCoreClient:
         per millisecond (it always checks for cancellation), so draining a backlog does
         not pay a full scheduler pass per batch.
         """
+        self._owner.check("get_output")
         self._raw_mode = True
         if self._raw_outputs and time.monotonic() < self._raw_yield_due:
             await anyio.lowlevel.checkpoint_if_cancelled()
@@ -596,6 +603,7 @@ class EngineCoreClient:
 
     def get_output_nowait(self) -> Any:
         """The next queued batch, or ``anyio.WouldBlock``; not a checkpoint."""
+        self._owner.check("get_output_nowait")
         self._raw_mode = True
         if self._raw_outputs:
             return self._raw_outputs.popleft()
@@ -614,30 +622,41 @@ class EngineCoreClient:
         forgotten locally and every ABORT is queued without another checkpoint, so a
         cancelled call changed nothing and a completed one reached every owner.
         """
+        self._owner.check("abort_requests")
         self._check_alive()
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for request_id in ids:
             if not isinstance(request_id, str):
                 raise TypeError(f"request ids are strings, got {request_id!r}")
+        if rank is not None:
+            self._choose_rank(rank)  # an unknown rank raises here, before the checkpoint
         await anyio.lowlevel.checkpoint()
         self._check_alive()
+        # Plan, then commit: every target is chosen and every ABORT encoded (either may
+        # raise: an unknown rank, an id that cannot be encoded) before any request is
+        # forgotten, or a refused call would leave the engine running what it forgot.
         by_rank: dict[int, list[str]] = {}
+        for request_id in ids:
+            owner = self._raw_requests.get(request_id)
+            stream = self._streams.get(request_id)
+            if stream is not None and not stream.finished:
+                owner = stream.rank
+            if owner is not None:
+                by_rank.setdefault(owner, []).append(request_id)
+            else:
+                for target in [rank] if rank is not None else self._balancer.live_ranks:
+                    by_rank.setdefault(self._choose_rank(target), []).append(request_id)
+        encoded = {target: self._wire.encode_abort(ids_) for target, ids_ in by_rank.items()}
         for request_id in ids:
             owner = self._raw_requests.pop(request_id, None)
             if owner is not None:
                 self._request_ended(owner)
             stream = self._streams.get(request_id)
             if stream is not None and not stream.finished:
-                owner = stream.rank
                 stream._abort_locally()
                 self._release_stream(stream)
-            if owner is not None:
-                by_rank.setdefault(owner, []).append(request_id)
-            else:
-                for target in [rank] if rank is not None else self._balancer.live_ranks:
-                    by_rank.setdefault(self._choose_rank(target), []).append(request_id)
         for target, rank_ids in by_rank.items():
-            await self._send_abort(target, rank_ids)
+            await self._send_abort(target, rank_ids, encoded[target])
 
     @contextlib.asynccontextmanager
     async def generate(
@@ -651,6 +670,7 @@ class EngineCoreClient:
         :mod:`trio_vllm.client._streams` on coalescing). Raises ``ValueError`` before
         anything is sent for an invalid request or a live duplicate id.
         """
+        self._owner.check("generate")
         self._check_alive()
         request_id = self._check_new_request(request)
         target = self._request_target(request, rank)
@@ -673,9 +693,12 @@ class EngineCoreClient:
                 stream.aborted = True
                 await self._send_abort(target, [request_id])
 
-    async def _send_abort(self, rank: int, request_ids: list[str]) -> None:
+    async def _send_abort(
+        self, rank: int, request_ids: list[str], frames: list[Any] | None = None
+    ) -> None:
         """Queue an ABORT without a checkpoint when possible (safe in cancelled code)."""
-        frames = self._wire.encode_abort(request_ids)
+        if frames is None:
+            frames = self._wire.encode_abort(request_ids)
         if self._send_nowait_best_effort(rank, frames):
             return
         # The peer's queue is full (only with a finite HWM): wait briefly, shielded.
@@ -697,6 +720,7 @@ class EngineCoreClient:
         first. Cancellation: the pending entry is removed; a reply that arrives later
         is dropped quietly.
         """
+        self._owner.check("call_utility")
         self._check_alive()
         if not method:
             raise ValueError(f"method must be a non-empty string, got {method!r}")
@@ -729,6 +753,7 @@ class EngineCoreClient:
         (:class:`~trio_vllm.UtilityCallError`, :class:`~trio_vllm.EngineDeadError`).
         Cancellation cancels every call.
         """
+        self._owner.check("call_utility_all")
         self._check_alive()
         ranks = self._balancer.live_ranks
         results: dict[int, Any] = {}
@@ -766,6 +791,8 @@ class EngineCoreClient:
         client dies, or with ``on_engine_death="continue"`` its requests fail), and
         this call raises :class:`~trio_vllm.EngineDeadError`.
         """
+        self._owner.check("retire_rank")
+        _args.check_rank(rank)
         self._check_alive()
         if rank not in self._rank_set or rank in self._lost_ranks or rank in self._retiring:
             raise ValueError(f"rank {rank} is not a live engine of this client")
@@ -806,6 +833,8 @@ class EngineCoreClient:
         or ``ready_timeout`` passes; then, and on cancellation, spawned engines are
         stopped and nothing changed. Only one call at a time.
         """
+        self._owner.check("add_engines")
+        _args.check_add_engines(source, ready_timeout)
         self._check_alive()
         if self._join is not None or self._context is None or self._task_group is None:
             raise RuntimeError("another add_engines call is in progress")
@@ -818,7 +847,7 @@ class EngineCoreClient:
                 "external engines can join only a client that started with an external "
                 "source (its input socket has no connection monitor)"
             )
-        timeout = _default_ready_timeout() if ready_timeout is None else ready_timeout
+        timeout = _args.ready_timeout(ready_timeout)
         assert self._ipc_dir is not None
         assert self._output_socket is not None
         self._joins += 1
@@ -927,18 +956,22 @@ class EngineCoreClient:
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
         """Tasks the model supports, e.g. ``("generate",)``."""
+        self._owner.check("get_supported_tasks")
         return tuple(await self.call_utility("get_supported_tasks"))
 
     async def is_sleeping(self) -> bool:
         """Whether the engines sleep (all engines must agree)."""
+        self._owner.check("is_sleeping")
         return bool(await self._call_all_equal("is_sleeping"))
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Put every engine to sleep (level 0 pauses, 1 offloads weights, 2 drops all)."""
+        self._owner.check("sleep")
         await self.call_utility_all("sleep", level, mode)
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> bool:
         """Wake every engine (``tags`` among weights/kv_cache/scheduling; None = all)."""
+        self._owner.check("wake_up")
         results = await self.call_utility_all("wake_up", None if tags is None else list(tags))
         return all(r is None or bool(r) for r in results)
 
@@ -946,6 +979,7 @@ class EngineCoreClient:
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool:
         """Reset the prefix cache of every engine; True if all succeeded."""
+        self._owner.check("reset_prefix_cache")
         results = await self.call_utility_all(
             "reset_prefix_cache", reset_running_requests, reset_connector
         )
@@ -953,10 +987,12 @@ class EngineCoreClient:
 
     async def reset_mm_cache(self) -> None:
         """Reset the multimodal cache of every engine."""
+        self._owner.check("reset_mm_cache")
         await self.call_utility_all("reset_mm_cache")
 
     async def reset_encoder_cache(self) -> None:
         """Reset the encoder cache of every engine."""
+        self._owner.check("reset_encoder_cache")
         await self.call_utility_all("reset_encoder_cache")
 
     async def profile(
@@ -967,6 +1003,7 @@ class EngineCoreClient:
         max_iterations: int | None = None,
     ) -> None:
         """Start or stop the torch profiler on every engine."""
+        self._owner.check("profile")
         if self.vllm_version is not None and self.vllm_version.startswith("0.25."):
             await self.call_utility_all("profile", is_start, profile_prefix)
         else:
@@ -976,14 +1013,17 @@ class EngineCoreClient:
 
     async def add_lora(self, lora_request: Any) -> bool:
         """Load a LoRA adapter on every engine (``lora_request``: a LoRARequest struct)."""
+        self._owner.check("add_lora")
         return all(bool(r) for r in await self.call_utility_all("add_lora", lora_request))
 
     async def remove_lora(self, lora_id: int) -> bool:
         """Unload a LoRA adapter from every engine."""
+        self._owner.check("remove_lora")
         return all(bool(r) for r in await self.call_utility_all("remove_lora", lora_id))
 
     async def list_loras(self) -> set[int]:
         """The LoRA ids loaded (union over engines)."""
+        self._owner.check("list_loras")
         loaded: set[int] = set()
         for result in await self.call_utility_all("list_loras"):
             loaded.update(result)
@@ -991,18 +1031,22 @@ class EngineCoreClient:
 
     async def pin_lora(self, lora_id: int) -> bool:
         """Pin a LoRA adapter on every engine."""
+        self._owner.check("pin_lora")
         return all(bool(r) for r in await self.call_utility_all("pin_lora", lora_id))
 
     async def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> None:
         """Pause scheduling on every engine; returns once the pause completed."""
+        self._owner.check("pause_scheduler")
         await self.call_utility_all("pause_scheduler", mode, clear_cache)
 
     async def resume_scheduler(self) -> None:
         """Resume scheduling on every engine."""
+        self._owner.check("resume_scheduler")
         await self.call_utility_all("resume_scheduler")
 
     async def is_scheduler_paused(self) -> bool:
         """Whether scheduling is paused (all engines must agree)."""
+        self._owner.check("is_scheduler_paused")
         return bool(await self._call_all_equal("is_scheduler_paused"))
 
     async def collective_rpc(
@@ -1013,6 +1057,7 @@ class EngineCoreClient:
         kwargs: Mapping[str, Any] | None = None,
     ) -> list[Any]:
         """Run ``method`` on every worker of every engine; one result per worker."""
+        self._owner.check("collective_rpc")
         results: list[Any] = []
         for result in await self.call_utility_all(
             "collective_rpc", method, timeout, list(args), None if kwargs is None else dict(kwargs)
@@ -1022,24 +1067,29 @@ class EngineCoreClient:
 
     async def execute_dummy_batch(self) -> None:
         """Run a dummy batch on every engine."""
+        self._owner.check("execute_dummy_batch")
         await self.call_utility_all("execute_dummy_batch")
 
     async def save_sharded_state(
         self, path: str, pattern: str | None = None, max_size: int | None = None
     ) -> None:
         """Save the model's sharded state (one engine)."""
+        self._owner.check("save_sharded_state")
         await self.call_utility("save_sharded_state", path, pattern, max_size)
 
     async def get_weight_version(self) -> str:
         """The engines' weight version (all must agree)."""
+        self._owner.check("get_weight_version")
         return str(await self._call_all_equal("get_weight_version"))
 
     async def set_weight_version(self, weight_version: str) -> None:
         """Set the weight version label on every engine."""
+        self._owner.check("set_weight_version")
         await self.call_utility_all("set_weight_version", weight_version)
 
     async def compute_weight_checksums(self) -> list[dict[str, str]]:
         """Weight checksums, one map per worker, concatenated over engines."""
+        self._owner.check("compute_weight_checksums")
         results: list[dict[str, str]] = []
         for result in await self.call_utility_all("compute_weight_checksums"):
             results.extend(result)
@@ -1593,6 +1643,7 @@ async def open_client(
     on_progress: Callable[[StartupProgress], None] | None = None,
     on_engine_death: Literal["fail", "continue"] = "fail",
     waves: bool = False,
+    vocab_size: int | None = None,
 ) -> AsyncIterator[EngineCoreClient]:
     """Start (or wait for) engines, handshake with them, and yield a client.
 
@@ -1619,8 +1670,14 @@ async def open_client(
             §7.4/§7.5): wake idle ranks with START_DP_WAVE when a request goes to one
             of them, follow ``wave_complete``/``start_wave``. Only for engines that
             run DP waves (without a coordinator); others log each START_DP_WAVE.
+        vocab_size: the model's vocabulary size, when known: a request holding a
+            token id at or above it (prompt, ``allowed_token_ids``, ``logit_bias``,
+            stop ids, ...) is refused with ``ValueError`` before it is sent, since a
+            stock engine core dies of such an id.
 
     Raises:
+        TypeError, ValueError: a bad argument (named in the message), before any
+            socket is bound or process started.
         EngineStartupError: an engine exited during startup (exit code and its last
             output lines in the message), the handshake failed (the
             :class:`ProtocolError` chained), or ``ready_timeout`` passed.
@@ -1631,11 +1688,20 @@ async def open_client(
     closed and the ipc directory is removed. Exceptions from the body propagate as
     they are (never wrapped in an exception group).
     """
-    if stream_buffer < 1:
-        raise ValueError(f"stream_buffer must be at least 1, got {stream_buffer}")
-    if on_engine_death not in ("fail", "continue"):
-        raise ValueError(f"on_engine_death must be 'fail' or 'continue', got {on_engine_death!r}")
-    timeout = _default_ready_timeout() if ready_timeout is None else ready_timeout
+    _args.check_open_client(
+        engines,
+        ready_timeout_s=ready_timeout,
+        profile=profile,
+        allow_insecure_serialization=allow_insecure_serialization,
+        shutdown_grace=shutdown_grace,
+        stream_buffer=stream_buffer,
+        on_progress=on_progress,
+        on_engine_death=on_engine_death,
+        waves=waves,
+        vocab_size=vocab_size,
+    )
+    timeout = _args.ready_timeout(ready_timeout)
+    shutdown_grace = float(shutdown_grace)
     source_set = _SourceSet(engines)
     layouts = [source.layout() for source in source_set.sources]
     ranks = source_set.ranks
@@ -1774,6 +1840,7 @@ async def open_client(
                         "open_client(profile=...) only if you know the wire layout matches."
                     ) from exc
                 wire.set_limits(complete.ready_responses)
+                wire.vocab_size = vocab_size
                 client = EngineCoreClient(
                     input_socket=input_socket,
                     ranks=ranks,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from ._args import argument_list, check_source, environment
 from ._process import EngineProcess, spawn_engine_process
 
 if TYPE_CHECKING:
@@ -136,12 +137,13 @@ class ReferenceEngines(EngineSource):
         super().__init__(count, start_rank)
         self.model = model
         self.device = device
-        self.faults = list(faults)
+        self.faults = argument_list("ReferenceEngines(faults=...)", faults)
         self.protocol = protocol
-        self.extra_args = list(extra_args)
+        self.extra_args = argument_list("ReferenceEngines(extra_args=...)", extra_args)
         self.python = python or sys.executable
-        self.env = dict(env or {})
+        self.env = environment("ReferenceEngines(env=...)", env)
         self.transport = transport
+        check_source(self)
 
     def layout(self) -> SocketLayout:
         if self.transport == "tcp":
@@ -212,8 +214,9 @@ class VllmEngines(EngineSource):
         super().__init__(count, start_rank)
         self.model = model
         self.python = python
-        self.extra_args = list(extra_args)
-        self.env = dict(env or {})
+        self.extra_args = argument_list("VllmEngines(extra_args=...)", extra_args)
+        self.env = environment("VllmEngines(env=...)", env)
+        check_source(self)
 
     def layout(self) -> SocketLayout:
         # Headless engines always reach the handshake over TCP (§2.3).
@@ -285,6 +288,7 @@ class ExternalEngines(EngineSource):
         self.handshake_address = handshake_address
         self.advertise_host = advertise_host
         self.bind_host = bind_host
+        check_source(self)
         self._host, self._port = _split_tcp(handshake_address)
 
     def layout(self) -> SocketLayout:
