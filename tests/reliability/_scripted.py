@@ -39,6 +39,7 @@ from trio_vllm import (
 )
 from trio_vllm.client._process import spawn_engine_process
 from trio_vllm.protocol import (
+    UtilityCall,
     decode_handshake_metadata,
     encode_hello,
     encode_ready,
@@ -138,8 +139,15 @@ class ScriptedPeer(Peer):
             with _closed_ok():
                 while True:
                     frames = [_bytes(f) for f in await inp.receive()]
-                    self.received.append(self.codec.decode_input(frames))
+                    message = self.codec.decode_input(frames)
+                    self.received.append(message)
                     self.arrived.set()
+                    if (
+                        self.reply_utilities
+                        and isinstance(message, UtilityCall)
+                        and message.method == "echo"
+                    ):
+                        await self.reply(message, message.args)
 
     def queue_outputs(self, messages: Sequence[Sequence[Any]], *, settle: float = 0.3) -> None:
         """Send ``messages`` (frame lists) now, without a checkpoint, then block the loop
