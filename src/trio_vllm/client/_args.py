@@ -28,12 +28,14 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_READY_TIMEOUT",
     "MAX_SHUTDOWN_GRACE",
+    "RANK_LIMIT",
     "argument_list",
     "check_add_engines",
     "check_open_client",
     "check_rank",
     "check_source",
     "environment",
+    "integer",
     "ready_timeout",
 ]
 
@@ -44,7 +46,7 @@ MAX_SHUTDOWN_GRACE: Final = 3600.0
 _MAX_STREAM_BUFFER: Final = 1 << 24
 _MAX_VOCAB_SIZE: Final = (1 << 31) - 1
 # An engine's routing identity is its rank in 2 bytes (PROTOCOL.md §2.2).
-_RANK_LIMIT: Final = 1 << 16
+RANK_LIMIT: Final = 1 << 16
 _READY_TIMEOUT_ENV: Final = "VLLM_ENGINE_READY_TIMEOUT_S"
 
 
@@ -157,7 +159,7 @@ def environment(name: str, value: object) -> dict[str, str]:
 
 def check_rank(rank: object, name: str = "rank") -> None:
     """A data-parallel rank given by a caller: an int (not a bool) that fits an identity."""
-    integer(name, rank, minimum=0, maximum=_RANK_LIMIT - 1)
+    integer(name, rank, minimum=0, maximum=RANK_LIMIT - 1)
 
 
 def _reference_choices() -> dict[str, Sequence[str]]:
@@ -184,14 +186,14 @@ def check_source(source: object, name: str = "engines") -> None:
             f"ExternalEngines) or a list of them, got {_type_name(source)}"
         )
     kind = type(source).__name__
-    count = integer(f"{kind}(count=...)", source.count, minimum=1, maximum=_RANK_LIMIT)
+    count = integer(f"{kind}(count=...)", source.count, minimum=1, maximum=RANK_LIMIT)
     start = integer(
-        f"{kind}(start_rank=...)", source.start_rank, minimum=0, maximum=_RANK_LIMIT - 1
+        f"{kind}(start_rank=...)", source.start_rank, minimum=0, maximum=RANK_LIMIT - 1
     )
-    if start + count > _RANK_LIMIT:
+    if start + count > RANK_LIMIT:
         raise ValueError(
             f"{kind}: ranks {start}..{start + count - 1} do not fit a 2-byte identity "
-            f"(at most {_RANK_LIMIT - 1})"
+            f"(at most {RANK_LIMIT - 1})"
         )
     if isinstance(source, ReferenceEngines):
         choices = _reference_choices()
@@ -230,6 +232,7 @@ def _sources(engines: object) -> list[EngineSource]:
     from ._engines import EngineSource
 
     if isinstance(engines, EngineSource):
+        check_source(engines)
         return [engines]
     if isinstance(engines, (str, bytes)) or not isinstance(engines, Sequence):
         check_source(engines)  # raises the TypeError naming the argument

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from ._args import argument_list, check_source, environment
+from ._args import RANK_LIMIT, argument_list, check_source, environment, integer
 from ._process import EngineProcess, spawn_engine_process
 
 if TYPE_CHECKING:
@@ -55,12 +55,11 @@ class EngineSource:
     start_rank: int
 
     def __init__(self, count: int, start_rank: int) -> None:
-        if count < 1:
-            raise ValueError(f"count must be at least 1, got {count}")
-        if start_rank < 0:
-            raise ValueError(f"start_rank must be >= 0, got {start_rank}")
-        self.count = count
-        self.start_rank = start_rank
+        kind = type(self).__name__
+        self.count = integer(f"{kind}(count=...)", count, minimum=1, maximum=RANK_LIMIT)
+        self.start_rank = integer(
+            f"{kind}(start_rank=...)", start_rank, minimum=0, maximum=RANK_LIMIT - 1
+        )
 
     @property
     def ranks(self) -> list[int]:
@@ -140,7 +139,7 @@ class ReferenceEngines(EngineSource):
         self.faults = argument_list("ReferenceEngines(faults=...)", faults)
         self.protocol = protocol
         self.extra_args = argument_list("ReferenceEngines(extra_args=...)", extra_args)
-        self.python = python or sys.executable
+        self.python = sys.executable if python is None else python
         self.env = environment("ReferenceEngines(env=...)", env)
         self.transport = transport
         check_source(self)
