@@ -139,6 +139,9 @@ async def test_socket_monitor_first(consumer: str) -> None:
 
         async def die() -> None:
             peer.close_input()
+            # Blocking again: the disconnect event is queued on the monitor socket
+            # beside the outputs before either task of the client runs.
+            time.sleep(0.2)  # noqa: ASYNC251 - blocking the loop is the point
             await client.wait_dead()
 
         await _run(client, peer, consumer, die)
