@@ -616,7 +616,9 @@ class EngineCoreClient:
         Known ids are finished locally at once (a stream stops iterating with
         ``aborted`` set) and the ABORT goes to the engine serving each; unknown ids are
         sent to ``rank`` or to every engine (aborting is idempotent). The engine sends
-        no output for a client-initiated abort.
+        no output for a client-initiated abort. A refused call (``TypeError`` for a
+        non-str id, ``ValueError`` for an unknown ``rank`` or an id that cannot be
+        encoded) raises before anything changed.
 
         Cancellation: the one checkpoint comes first; once past it the requests are
         forgotten locally and every ABORT is queued without another checkpoint, so a
