@@ -269,6 +269,9 @@ RUNNING: list[tuple[str, Any, type[Exception], str]] = [
     ("call_utility(rank=)", 1.0, TypeError, "rank"),
     ("add_request(rank=)", True, TypeError, "rank"),
     ("generate(rank=)", True, TypeError, "rank"),
+    ("generate(max_pending=)", 0, ValueError, "max_pending"),
+    ("generate(max_pending=)", True, TypeError, "max_pending"),
+    ("generate(max_pending=)", 2.5, TypeError, "max_pending"),
     ("abort_requests(rank=)", 7, ValueError, "rank 7"),
     ("abort_requests(rank=)", True, TypeError, "rank"),
 ]
@@ -312,6 +315,9 @@ async def _call_with_rank(client: Any, entry: str, rank: Any) -> None:
     elif entry == "generate(rank=)":
         async with client.generate(request, rank=rank):
             pytest.fail("generate must refuse the rank")
+    elif entry == "generate(max_pending=)":
+        async with client.generate(request, max_pending=rank):
+            pytest.fail("generate must refuse max_pending")
     else:
         await client.abort_requests(["r"], rank=rank)
 

@@ -31,6 +31,7 @@ __all__ = [
     "RANK_LIMIT",
     "argument_list",
     "check_add_engines",
+    "check_max_pending",
     "check_open_client",
     "check_rank",
     "check_source",
@@ -155,6 +156,13 @@ def environment(name: str, value: object) -> dict[str, str]:
     """Environment variables to add for engine processes (``None``: none)."""
     _environment(name, value)
     return dict(value) if isinstance(value, Mapping) else {}
+
+
+def check_max_pending(value: object) -> None:
+    """``generate(max_pending=...)``: ``None`` (the client's ``stream_buffer``) or an int
+    >= 1 (0 used to mean the default silently, ``True`` a buffer of one)."""
+    if value is not None:
+        integer("max_pending", value, minimum=1, maximum=_MAX_STREAM_BUFFER)
 
 
 def check_rank(rank: object, name: str = "rank") -> None:

@@ -673,6 +673,7 @@ class EngineCoreClient:
         anything is sent for an invalid request or a live duplicate id.
         """
         self._owner.check("generate")
+        _args.check_max_pending(max_pending)
         self._check_alive()
         request_id = self._check_new_request(request)
         target = self._request_target(request, rank)
