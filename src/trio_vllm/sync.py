@@ -266,6 +266,8 @@ class SyncClient(NamedUtilities):
         on_progress: called on every startup step, in the background thread.
         on_engine_death: ``"fail"`` or ``"continue"``.
         waves: play the DP coordinator's wave role.
+        vocab_size: the model's vocabulary size: requests holding an id at or above
+            it are refused before they are sent.
 
     Use it as a context manager; ``__enter__`` starts the thread and waits until the
     engines are ready (raising :class:`~trio_vllm.EngineStartupError` like
@@ -289,6 +291,7 @@ class SyncClient(NamedUtilities):
         on_progress: Callable[[StartupProgress], None] | None = None,
         on_engine_death: Literal["fail", "continue"] = "fail",
         waves: bool = False,
+        vocab_size: int | None = None,
     ) -> None:
         self._open = functools.partial(
             open_client,
@@ -301,6 +304,7 @@ class SyncClient(NamedUtilities):
             on_progress=on_progress,
             on_engine_death=on_engine_death,
             waves=waves,
+            vocab_size=vocab_size,
         )
         self._backend = backend
         self._exit_stack: contextlib.ExitStack | None = None

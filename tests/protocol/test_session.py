@@ -470,3 +470,20 @@ def test_close_fails_pending_work_and_later_calls() -> None:
     assert session.pending_calls == 0
     with pytest.raises(EngineDeadError, match="closed"):
         session.begin_join([1])
+
+
+def test_noticed_ranks_name_whose_backlog_the_shell_drains() -> None:
+    """Until declared, the noticed deaths say whose outputs the drain waits for: the
+    ranks named (a send failure, a process exit), or None when a notice named none."""
+    session = ClientSession([0, 1, 2, 3], on_engine_death="continue")
+    assert session.noticed_ranks == frozenset()
+    session.notice_rank(1, "no connected peer")
+    assert session.notice_exit((2, 3), "exit code 1")
+    assert session.noticed_ranks == {1, 2, 3}
+    session.declare_noticed()
+    assert session.noticed_ranks == frozenset()
+    session = ClientSession([0, 1])
+    session.notice_rank(None, "a connection behind several ranks dropped")
+    assert session.noticed_ranks is None
+    session.declare_noticed()
+    assert session.noticed_ranks == frozenset()

@@ -56,7 +56,9 @@ from ..protocol.session import (
     ResolveCall,
     SendWave,
 )
+from . import _args
 from ._mailbox import Mailbox
+from ._owner import LoopOwner
 from ._receiver import Receiver
 from ._startup import (
     DEFAULT_READY_TIMEOUT,
@@ -148,10 +150,14 @@ class EngineCoreClient(NamedUtilities):
       ``profile``, ``collective_rpc``, ...; see ``_utilities.py``).
 
     Every method raises :class:`~trio_vllm.EngineDeadError` once an engine died or
-    the client was closed. Cancelling one caller never affects another.
+    the client was closed. Cancelling one caller never affects another. The client
+    belongs to the event loop and thread that opened it: every public method raises
+    ``RuntimeError`` when called from another, before anything is sent (``_owner.py``).
     """
 
     def __init__(self, parts: _Parts) -> None:
+        # Every public method refuses other threads and loops first (_owner.py).
+        self._owner = LoopOwner()
         self._session = parts.session
         self._sockets = parts.sockets
         self._input = parts.sockets.input
@@ -268,6 +274,7 @@ class EngineCoreClient(NamedUtilities):
 
     async def wait_dead(self) -> EngineDeadError:
         """Wait until the client is dead; return the error calls raise from then on."""
+        self._owner.check("wait_dead")
         await self._dead_event.wait()
         return self._session.dead_error()
 
@@ -398,6 +405,7 @@ class EngineCoreClient(NamedUtilities):
         id is live on this client. Cancellation: if cancelled, nothing was sent and the
         id is free again.
         """
+        self._owner.check("add_request")
         request_id, target, frames = self._prepare(request, rank)
         self._session.start_request(request_id, target)
         try:
@@ -422,6 +430,7 @@ class EngineCoreClient(NamedUtilities):
         per millisecond (it always checks for cancellation), so draining a backlog does
         not pay a full scheduler pass per batch.
         """
+        self._owner.check("get_output")
         session = self._session
         session.raw_called = True  # session.raw_api_used(), inlined: once per batch
         raw = self._raw
@@ -435,6 +444,7 @@ class EngineCoreClient(NamedUtilities):
 
     def get_output_nowait(self) -> EngineCoreOutputs:
         """The next queued batch, or ``anyio.WouldBlock``; not a checkpoint."""
+        self._owner.check("get_output_nowait")
         self._session.raw_called = True  # session.raw_api_used(), inlined
         pending = self._raw._pending
         return pending.popleft() if pending else self._raw.receive_nowait()
@@ -453,11 +463,16 @@ class EngineCoreClient(NamedUtilities):
         Raises ``TypeError``/``ValueError`` (a non-string or unencodable id, an unknown
         ``rank``) before changing anything.
         """
+        self._owner.check("abort_requests")
         self._check_alive()
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for request_id in ids:
             if not isinstance(request_id, str):
                 raise TypeError(f"request ids are strings, got {request_id!r}")
+        if rank is not None:
+            # A bad explicit rank is refused even when every id is known (the session
+            # checks it only when an unknown id needs it).
+            self._session.choose_rank(rank)
         self._wire.encode_abort(ids)  # refuses unencodable ids before anything changes
         await anyio.lowlevel.checkpoint()
         self._check_alive()
@@ -479,8 +494,11 @@ class EngineCoreClient(NamedUtilities):
         cancellation) sends ABORT for the request, without a checkpoint, so it also
         works in cancelled code. ``max_pending`` bounds the stream's buffer (see
         :mod:`trio_vllm.client._streams` on coalescing). Raises ``ValueError`` before
-        anything is sent for an invalid request or a live duplicate id.
+        anything is sent for an invalid request or a live duplicate id, and for a
+        ``max_pending`` that is not an int >= 1.
         """
+        self._owner.check("generate")
+        _args.check_max_pending(max_pending)
         request_id, target, frames = self._prepare(request, rank)
         stream = RequestStream(request_id, target, max_pending=max_pending or self._stream_buffer)
         self._session.start_request(request_id, target, stream)
@@ -507,6 +525,7 @@ class EngineCoreClient(NamedUtilities):
         (or its rank is retired) first. Cancellation: the pending entry is removed; a
         reply that arrives later is dropped quietly.
         """
+        self._owner.check("call_utility")
         self._check_alive()
         if not method:
             raise ValueError(f"method must be a non-empty string, got {method!r}")
@@ -538,6 +557,7 @@ class EngineCoreClient(NamedUtilities):
         (:class:`~trio_vllm.UtilityCallError`, :class:`~trio_vllm.EngineDeadError`).
         Cancellation cancels every call.
         """
+        self._owner.check("call_utility_all")
         self._check_alive()
         ranks = self._session.live_ranks
         results: dict[int, object] = {}
@@ -562,7 +582,9 @@ class EngineCoreClient(NamedUtilities):
         return [results[r] for r in ranks]
 
     async def _named_utility(self, spec: NamedUtility[..., R], args: list[object]) -> R:
-        """Run one row of the utilities table (``_utilities.py``)."""
+        """Run one row of the utilities table (``_utilities.py``); every named
+        utility passes through here, so this is where it refuses a foreign caller."""
+        self._owner.check(spec.name)
         args = wire_args(spec, args, self._wire.profile)
         if spec.fan_out == "one":
             return combine_results(spec, [await self.call_utility(spec.name, *args)])
@@ -585,6 +607,8 @@ class EngineCoreClient(NamedUtilities):
         usual (the client dies, or with ``on_engine_death="continue"`` its requests
         fail), and this call raises :class:`~trio_vllm.EngineDeadError`.
         """
+        self._owner.check("retire_rank")
+        _args.check_rank(rank)
         self._check_alive()
         ids = self._session.begin_retire(rank)
         logger.info("retiring engine rank %d (drain=%s)", rank, drain)
@@ -620,8 +644,11 @@ class EngineCoreClient(NamedUtilities):
         or ``ready_timeout`` passes, :class:`~trio_vllm.EngineDeadError` as soon as
         the client dies meanwhile; then, and on cancellation, spawned engines are
         stopped and nothing changed (the ranks stay reserved: a late answer from them
-        is dropped quietly). Only one call at a time.
+        is dropped quietly). Only one call at a time. A bad argument raises
+        ``TypeError``/``ValueError`` naming it before any process starts.
         """
+        self._owner.check("add_engines")
+        _args.check_add_engines(source, ready_timeout)
         self._check_alive()
         if self._join is not None:
             raise RuntimeError("another add_engines call is in progress")
@@ -631,7 +658,7 @@ class EngineCoreClient(NamedUtilities):
                 "external engines can join only a client that started with an external "
                 "source (its input socket has no connection monitor)"
             )
-        timeout = default_ready_timeout() if ready_timeout is None else ready_timeout
+        timeout = _args.ready_timeout(ready_timeout)
         self._session.begin_join(engines.ranks)
         processes: list[EngineProcess] = []
         try:
@@ -685,6 +712,7 @@ async def open_client(
     on_progress: Callable[[StartupProgress], None] | None = None,
     on_engine_death: Literal["fail", "continue"] = "fail",
     waves: bool = False,
+    vocab_size: int | None = None,
 ) -> AsyncIterator[EngineCoreClient]:
     """Start (or wait for) engines, handshake with them, and yield a client.
 
@@ -711,8 +739,14 @@ async def open_client(
             §7.4/§7.5): wake idle ranks with START_DP_WAVE when a request goes to one
             of them, follow ``wave_complete``/``start_wave``. Only for engines that
             run DP waves (without a coordinator); others log each START_DP_WAVE.
+        vocab_size: the model's vocabulary size, when known: a request holding a
+            token id at or above it (prompt, ``allowed_token_ids``, ``logit_bias``,
+            stop ids, ...) is refused with ``ValueError`` before it is sent, since a
+            stock engine core dies of such an id.
 
     Raises:
+        TypeError, ValueError: a bad argument (named in the message), before any
+            socket is bound or process started.
         EngineStartupError: an engine exited during startup (exit code and its last
             output lines in the message), the handshake failed (the
             :class:`ProtocolError` chained), or ``ready_timeout`` passed.
@@ -723,9 +757,20 @@ async def open_client(
     closed and the ipc directory is removed. Exceptions from the body propagate as
     they are (never wrapped in an exception group).
     """
-    if stream_buffer < 1:
-        raise ValueError(f"stream_buffer must be at least 1, got {stream_buffer}")
-    timeout = default_ready_timeout() if ready_timeout is None else ready_timeout
+    _args.check_open_client(
+        engines,
+        ready_timeout_s=ready_timeout,
+        profile=profile,
+        allow_insecure_serialization=allow_insecure_serialization,
+        shutdown_grace=shutdown_grace,
+        stream_buffer=stream_buffer,
+        on_progress=on_progress,
+        on_engine_death=on_engine_death,
+        waves=waves,
+        vocab_size=vocab_size,
+    )
+    timeout = _args.ready_timeout(ready_timeout)
+    shutdown_grace = float(shutdown_grace)
     source_set = SourceSet(engines)
     session = ClientSession(source_set.ranks, on_engine_death=on_engine_death, waves=waves)
     sockets = Sockets(watch_disconnects=any(lay.watch_disconnects for lay in source_set.layouts))
@@ -764,6 +809,7 @@ async def open_client(
                         "open_client(profile=...) only if you know the wire layout matches."
                     ) from exc
                 wire.set_limits(connected.complete.ready_responses)
+                wire.vocab_size = vocab_size
                 client = EngineCoreClient(
                     _Parts(
                         session=session,

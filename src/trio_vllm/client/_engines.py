@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from ._args import RANK_LIMIT, argument_list, check_source, environment, integer
 from ._process import EngineProcess, spawn_engine_process
 
 if TYPE_CHECKING:
@@ -54,12 +55,11 @@ class EngineSource:
     start_rank: int
 
     def __init__(self, count: int, start_rank: int) -> None:
-        if count < 1:
-            raise ValueError(f"count must be at least 1, got {count}")
-        if start_rank < 0:
-            raise ValueError(f"start_rank must be >= 0, got {start_rank}")
-        self.count = count
-        self.start_rank = start_rank
+        kind = type(self).__name__
+        self.count = integer(f"{kind}(count=...)", count, minimum=1, maximum=RANK_LIMIT)
+        self.start_rank = integer(
+            f"{kind}(start_rank=...)", start_rank, minimum=0, maximum=RANK_LIMIT - 1
+        )
 
     @property
     def ranks(self) -> list[int]:
@@ -136,12 +136,13 @@ class ReferenceEngines(EngineSource):
         super().__init__(count, start_rank)
         self.model = model
         self.device = device
-        self.faults = list(faults)
+        self.faults = argument_list("ReferenceEngines(faults=...)", faults)
         self.protocol = protocol
-        self.extra_args = list(extra_args)
-        self.python = python or sys.executable
-        self.env = dict(env or {})
+        self.extra_args = argument_list("ReferenceEngines(extra_args=...)", extra_args)
+        self.python = sys.executable if python is None else python
+        self.env = environment("ReferenceEngines(env=...)", env)
         self.transport = transport
+        check_source(self)
 
     def layout(self) -> SocketLayout:
         if self.transport == "tcp":
@@ -212,8 +213,9 @@ class VllmEngines(EngineSource):
         super().__init__(count, start_rank)
         self.model = model
         self.python = python
-        self.extra_args = list(extra_args)
-        self.env = dict(env or {})
+        self.extra_args = argument_list("VllmEngines(extra_args=...)", extra_args)
+        self.env = environment("VllmEngines(env=...)", env)
+        check_source(self)
 
     def layout(self) -> SocketLayout:
         # Headless engines always reach the handshake over TCP (§2.3).
@@ -285,6 +287,7 @@ class ExternalEngines(EngineSource):
         self.handshake_address = handshake_address
         self.advertise_host = advertise_host
         self.bind_host = bind_host
+        check_source(self)
         self._host, self._port = _split_tcp(handshake_address)
 
     def layout(self) -> SocketLayout:

@@ -12,10 +12,8 @@ that is the session's.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -33,6 +31,7 @@ from ..protocol.handshake import (
     rank_for_identity,
 )
 from ..transport import AsyncSocket, PrivateIpcDir, tcp_endpoint
+from ._args import DEFAULT_READY_TIMEOUT, ready_timeout
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -53,7 +52,6 @@ __all__ = [
     "stop_processes",
 ]
 
-DEFAULT_READY_TIMEOUT: Final = 600.0
 DEFAULT_SHUTDOWN_GRACE: Final = 5.0
 _UNBOUNDED: Final[dict[int, int | bytes | str]] = {zmq.RCVHWM: 0, zmq.SNDHWM: 0}
 
@@ -61,11 +59,8 @@ logger = logging.getLogger("trio_vllm.client")
 
 
 def default_ready_timeout() -> float:
-    value = os.environ.get("VLLM_ENGINE_READY_TIMEOUT_S")
-    if value:
-        with contextlib.suppress(ValueError):
-            return float(value)
-    return DEFAULT_READY_TIMEOUT
+    """``VLLM_ENGINE_READY_TIMEOUT_S`` or 600 s (``ValueError`` for a bad variable)."""
+    return ready_timeout(None)
 
 
 @dataclass(frozen=True, slots=True)

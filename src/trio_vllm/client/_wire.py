@@ -38,6 +38,8 @@ class Wire:
         self.allow_insecure_serialization = allow_insecure_serialization
         self.max_model_len: int | None = None
         self.supports_lora: bool | None = None
+        # The model's vocabulary size, when the caller knows it (open_client(vocab_size=)).
+        self.vocab_size: int | None = None
         self._codec = ClientCodec(
             profile, allow_insecure_serialization=allow_insecure_serialization
         )
@@ -82,6 +84,14 @@ class Wire:
         """Client-level checks on top of the codec's validation (``ValueError``)."""
         if request.client_index != 0:
             raise ValueError("client_index must be 0 (this client is the only frontend)")
+        sampling = request.sampling_params
+        if sampling is not None and getattr(sampling, "n", 1) != 1:
+            # The engine runs one sequence per request; vLLM's frontend fans n out into
+            # n requests, which is the caller's part here (docs/reliability.md).
+            raise ValueError(
+                f"request {request.request_id!r}: n must be 1 (got {sampling.n!r}); send n "
+                "requests with distinct ids (and seeds) instead"
+            )
 
     def set_limits(self, ready_responses: Mapping[int, Mapping[str, Any]]) -> None:
         """Take the engines' limits from their ready responses (for validation)."""
@@ -97,6 +107,7 @@ class Wire:
             profile=self.profile,
             max_model_len=self.max_model_len,
             supports_lora=self.supports_lora,
+            vocab_size=self.vocab_size,
             num_clients=1,
         )
         return self._codec.encode_add(request, validate=False)

@@ -54,6 +54,9 @@ class LoadBalancer:
         """The rank for the next request; ``ValueError`` for an unknown or removed
         pinned rank, ``LookupError`` when no rank is live."""
         if pinned is not None:
+            if isinstance(pinned, bool) or not isinstance(pinned, int):
+                # True == 1: a bool would silently pick rank 1.
+                raise TypeError(f"rank must be an int or None, got {pinned!r}")
             if pinned not in self._in_flight:
                 raise ValueError(f"no engine with rank {pinned} (ranks: {self.live_ranks})")
             if pinned not in self._live:

@@ -289,6 +289,8 @@ class ClientSession:
         self.raw_waiters = 0  # get_output calls waiting now (the shell counts them)
         self.death: DeathRecord | None = None
         self._noticed: list[tuple[tuple[int, ...] | None, str, BaseException | None]] = []
+        # Whose outputs the shell drains before declaring (None: a notice named no rank).
+        self._noticed_from: set[int] | None = set()
         # ENGINE_CORE_DEAD carries no rank: with several live ranks in "continue" mode
         # the process exit or dropped connection that follows names the rank (§8.3).
         self.unattributed_deaths = 0
@@ -502,6 +504,7 @@ class ClientSession:
         if self.death is not None:
             return self.death
         self._noticed.append((None if rank is None else (rank,), message, cause))
+        self._note_from(None if rank is None else (rank,))
         if rank is not None and self.on_engine_death == "continue":
             return DeathRecord(f"engine rank {rank} died: {message}", rank, cause)
         return DeathRecord(message, rank, cause)
@@ -512,6 +515,7 @@ class ClientSession:
         if self.death is not None or self.exit_expected(ranks):
             return False
         message = f"engine process died: {description}"
+        self._note_from(ranks)
         if self.on_engine_death == "continue":
             for rank in ranks:
                 self._noticed.append(((rank,), message, None))
@@ -519,14 +523,27 @@ class ClientSession:
             self._noticed.append((ranks if len(ranks) == 1 else None, message, None))
         return True
 
+    def _note_from(self, ranks: tuple[int, ...] | None) -> None:
+        if ranks is None:
+            self._noticed_from = None
+        elif self._noticed_from is not None:
+            self._noticed_from.update(ranks)
+
     @property
     def noticed(self) -> bool:
         """Deaths noticed and not declared yet (the shell drains, then declares)."""
         return bool(self._noticed)
 
+    @property
+    def noticed_ranks(self) -> frozenset[int] | None:
+        """The ranks of the deaths noticed and not declared yet, whose last outputs the
+        shell drains; ``None`` when a notice could not say which (every rank's count)."""
+        return None if self._noticed_from is None else frozenset(self._noticed_from)
+
     def declare_noticed(self) -> list[Action]:
         """Declare every noticed death, in the order noticed."""
         noticed, self._noticed = self._noticed, []
+        self._noticed_from = set()
         actions: list[Action] = []
         for ranks, message, cause in noticed:
             rank = None if ranks is None or len(ranks) != 1 else ranks[0]

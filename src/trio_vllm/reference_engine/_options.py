@@ -72,6 +72,7 @@ class EngineOptions:
     garbage_after_steps: int | None = None
     fail_utilities: set[str] = field(default_factory=set)
     output_delay_ms: float = 0.0
+    oov_fatal: bool = False
     verbose: bool = False
 
 
@@ -178,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "failure of NAME'); repeatable")
     f.add_argument("--output-delay-ms", type=float, default=0.0, metavar="D",
                    help="hold every output message D ms before sending it (order kept)")
+    f.add_argument("--oov-fatal", action="store_true",
+                   help="an out-of-vocabulary id in a request (prompt, allowed_token_ids, "
+                        "logit_bias, stop ids) is fatal: ENGINE_CORE_DEAD, exit 1, as it "
+                        "kills a stock vLLM engine core (default: the request fails)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="log startup and connection details to stderr")
     return p
@@ -253,5 +258,6 @@ def parse_options(argv: Sequence[str] | None = None) -> EngineOptions:
         garbage_after_steps=ns.garbage_after_steps,
         fail_utilities=set(ns.fail_utility),
         output_delay_ms=ns.output_delay_ms,
+        oov_fatal=ns.oov_fatal,
         verbose=ns.verbose,
     )

@@ -650,6 +650,8 @@ class EngineServer:
             task = req.pooling_params.task
             if task is None or task not in opts.supported_tasks or task == "generate":
                 raise FatalEngineError(f"Unsupported task: {task!r}")
+        if opts.oov_fatal:
+            self._check_vocabulary(req)
         if opts.moe:
             self._wave_on_add(req)
         if self.utilities.generation_paused and self.profile_name == "0.33.0":
@@ -670,6 +672,26 @@ class EngineServer:
             self.firehose[rid] = engine_req
             return
         self.scheduler.add(engine_req)
+
+    def _check_vocabulary(self, req: Any) -> None:
+        """``--oov-fatal``: die of an out-of-vocabulary id as a stock engine core does
+        (its embedding lookup or sampler mask indexes out of range)."""
+        vocab = self.model.vocab_size
+        sp = req.sampling_params
+        fields: list[tuple[str, Any]] = [("prompt_token_ids", req.prompt_token_ids or [])]
+        if sp is not None:
+            fields += [
+                ("allowed_token_ids", sp.allowed_token_ids or []),
+                ("logit_bias", list(sp.logit_bias or {})),
+                ("stop_token_ids", sp.stop_token_ids or []),
+            ]
+        for name, ids in fields:
+            for token in ids:
+                if isinstance(token, int) and not 0 <= token < vocab:
+                    raise FatalEngineError(
+                        f"request {req.request_id!r}: token id {token} in {name} is out of "
+                        f"the vocabulary [0, {vocab}) (--oov-fatal)"
+                    )
 
     def _preprocess(self, req: Any) -> EngineRequest:
         """vLLM's contained pre-processing errors become ValueError (finish ERROR)."""

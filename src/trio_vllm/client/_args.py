@@ -1,0 +1,333 @@
+"""Argument checks for :func:`open_client`, the engine sources and ``add_engines``.
+
+Every argument is checked up front, before a socket is bound or a process started, and
+a bad one raises ``TypeError`` (wrong type: a string for seconds, a bool for a count, a
+bare string for an argument list) or ``ValueError`` (NaN, infinity, negative, out of
+range, unknown choice), naming the argument. Unchecked, such values fail late and far
+away: ``shutdown_grace="5"`` raised only at exit, inside an exception group, after the
+engine had been left running; ``nan`` left it a zombie.
+
+Bounds are generous sanity limits, not policy: they refuse what can only be a mistake
+(a grace period of hours is a value in milliseconds).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Final
+
+from ..protocol.profiles import ProtocolProfile, profile_for_version
+
+if TYPE_CHECKING:
+    from ._engines import EngineSource
+
+__all__ = [
+    "DEFAULT_READY_TIMEOUT",
+    "MAX_READY_TIMEOUT",
+    "MAX_SHUTDOWN_GRACE",
+    "RANK_LIMIT",
+    "argument_list",
+    "check_add_engines",
+    "check_max_pending",
+    "check_open_client",
+    "check_rank",
+    "check_source",
+    "environment",
+    "integer",
+    "ready_timeout",
+]
+
+#: ``ready_timeout`` when neither the caller nor ``VLLM_ENGINE_READY_TIMEOUT_S`` sets it.
+DEFAULT_READY_TIMEOUT: Final = 600.0
+#: ``ready_timeout`` at most (11.6 days): anything larger is a unit mistake.
+MAX_READY_TIMEOUT: Final = 1e6
+#: ``shutdown_grace`` at most (one hour).
+MAX_SHUTDOWN_GRACE: Final = 3600.0
+_MAX_STREAM_BUFFER: Final = 1 << 24
+_MAX_VOCAB_SIZE: Final = (1 << 31) - 1
+# An engine's routing identity is its rank in 2 bytes (PROTOCOL.md §2.2).
+RANK_LIMIT: Final = 1 << 16
+_READY_TIMEOUT_ENV: Final = "VLLM_ENGINE_READY_TIMEOUT_S"
+
+
+def _type_name(value: object) -> str:
+    return type(value).__name__
+
+
+def seconds(
+    name: str, value: object, *, maximum: float, allow_zero: bool, what: str = ""
+) -> float:
+    """``value`` as float seconds: a real number (not a bool, not a string), finite,
+    positive (or zero when allowed) and at most ``maximum``."""
+    where = what or name
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where} must be a number of seconds, got {value!r}")
+    number = float(value)
+    if math.isnan(number):
+        raise ValueError(f"{where} must be a number of seconds, got NaN")
+    if math.isinf(number):
+        raise ValueError(f"{where} must be finite (at most {maximum:g} s), got {value!r}")
+    if number < 0 or (number == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{where} must be {bound} seconds, got {value!r}")
+    if number > maximum:
+        raise ValueError(
+            f"{where} must be at most {maximum:g} seconds, got {value!r} "
+            "(a value in milliseconds?)"
+        )
+    return number
+
+
+def integer(name: str, value: object, *, minimum: int, maximum: int) -> int:
+    """``value`` as an int (not a bool, not a float) in ``[minimum, maximum]``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    number = int(value)
+    if not minimum <= number <= maximum:
+        raise ValueError(f"{name} must be an int in [{minimum}, {maximum}], got {value!r}")
+    return number
+
+
+def _flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _text(name: str, value: object, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {_type_name(value)} {value!r}")
+    if not value.strip():
+        raise ValueError(f"{name} must be a non-empty str, got {value!r}")
+
+
+def _path(name: str, value: object, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    _text(name, value)
+
+
+def _choice(name: str, value: object, choices: Sequence[str], *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {list(choices)}, got {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _arguments(name: str, value: object) -> None:
+    if isinstance(value, (str, bytes)):
+        raise TypeError(
+            f"{name} must be a list of command-line arguments, got the str {value!r} "
+            f"(it would be split into characters; pass [{value!r}])"
+        )
+    if not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a list of str, got {_type_name(value)}")
+    for item in value:
+        if not isinstance(item, str):
+            raise TypeError(f"{name} must hold str only, got {item!r}")
+
+
+def _environment(name: str, value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a mapping of str to str, got {_type_name(value)}")
+    for key, item in value.items():
+        if not isinstance(key, str) or not isinstance(item, str):
+            raise TypeError(f"{name} must map str to str, got {key!r}: {item!r}")
+        if not key or "=" in key or "\0" in key or "\0" in item:
+            raise ValueError(f"{name} has an invalid variable {key!r}={item!r}")
+
+
+def argument_list(name: str, value: object) -> list[str]:
+    """A list of command-line arguments (a bare str is refused: it would be split)."""
+    _arguments(name, value)
+    assert isinstance(value, Sequence)
+    return list(value)
+
+
+def environment(name: str, value: object) -> dict[str, str]:
+    """Environment variables to add for engine processes (``None``: none)."""
+    _environment(name, value)
+    return dict(value) if isinstance(value, Mapping) else {}
+
+
+def check_max_pending(value: object) -> None:
+    """``generate(max_pending=...)``: ``None`` (the client's ``stream_buffer``) or an int
+    >= 1 (0 used to mean the default silently, ``True`` a buffer of one)."""
+    if value is not None:
+        integer("max_pending", value, minimum=1, maximum=_MAX_STREAM_BUFFER)
+
+
+def check_rank(rank: object, name: str = "rank") -> None:
+    """A data-parallel rank given by a caller: an int (not a bool) that fits an identity."""
+    integer(name, rank, minimum=0, maximum=RANK_LIMIT - 1)
+
+
+def _reference_choices() -> dict[str, Sequence[str]]:
+    # The reference engine's own parser is the authority on its choices (it imports
+    # neither torch nor zmq), so a new model or protocol needs no change here.
+    from ..reference_engine._options import build_parser
+
+    parser = build_parser()
+    choices: dict[str, Sequence[str]] = {}
+    for action in parser._actions:
+        for option in ("--model", "--device", "--protocol"):
+            if option in action.option_strings and action.choices is not None:
+                choices[option[2:]] = [str(c) for c in action.choices]
+    return choices
+
+
+def check_source(source: object, name: str = "engines") -> None:
+    """Check an engine source's type and every one of its arguments."""
+    from ._engines import EngineSource, ExternalEngines, ReferenceEngines, VllmEngines
+
+    if not isinstance(source, EngineSource):
+        raise TypeError(
+            f"{name} must be an engine source (ReferenceEngines, VllmEngines, "
+            f"ExternalEngines) or a list of them, got {_type_name(source)}"
+        )
+    kind = type(source).__name__
+    count = integer(f"{kind}(count=...)", source.count, minimum=1, maximum=RANK_LIMIT)
+    start = integer(
+        f"{kind}(start_rank=...)", source.start_rank, minimum=0, maximum=RANK_LIMIT - 1
+    )
+    if start + count > RANK_LIMIT:
+        raise ValueError(
+            f"{kind}: ranks {start}..{start + count - 1} do not fit a 2-byte identity "
+            f"(at most {RANK_LIMIT - 1})"
+        )
+    if isinstance(source, ReferenceEngines):
+        choices = _reference_choices()
+        _choice(f"{kind}(model=...)", source.model, choices.get("model", ()))
+        _choice(f"{kind}(device=...)", source.device, choices.get("device", ()), optional=True)
+        _choice(
+            f"{kind}(protocol=...)", source.protocol, choices.get("protocol", ()), optional=True
+        )
+        _arguments(f"{kind}(faults=...)", source.faults)
+        _arguments(f"{kind}(extra_args=...)", source.extra_args)
+        _path(f"{kind}(python=...)", source.python)
+        _environment(f"{kind}(env=...)", source.env)
+        _choice(f"{kind}(transport=...)", source.transport, ("ipc", "tcp"))
+    elif isinstance(source, VllmEngines):
+        _path(f"{kind}(model=...)", source.model)
+        _path(f"{kind}(python=...)", source.python)
+        _arguments(f"{kind}(extra_args=...)", source.extra_args)
+        _environment(f"{kind}(env=...)", source.env)
+    elif isinstance(source, ExternalEngines):
+        _tcp_address(f"{kind}(handshake_address=...)", source.handshake_address)
+        _text(f"{kind}(advertise_host=...)", source.advertise_host, optional=True)
+        _text(f"{kind}(bind_host=...)", source.bind_host, optional=True)
+
+
+def _tcp_address(name: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a 'tcp://HOST:PORT' str, got {value!r}")
+    host, sep, port = value.removeprefix("tcp://").rpartition(":")
+    if not value.startswith("tcp://") or not sep or not host or not port.isdigit():
+        raise ValueError(f"{name} must be 'tcp://HOST:PORT', got {value!r}")
+    if int(port) > 65535:
+        raise ValueError(f"{name}: port {port} is out of range (0-65535)")
+
+
+def _sources(engines: object) -> list[EngineSource]:
+    from ._engines import EngineSource
+
+    if isinstance(engines, EngineSource):
+        check_source(engines)
+        return [engines]
+    if isinstance(engines, (str, bytes)) or not isinstance(engines, Sequence):
+        check_source(engines)  # raises the TypeError naming the argument
+    assert isinstance(engines, Sequence)
+    if not engines:
+        raise ValueError("engines must name at least one engine source, got an empty list")
+    for i, source in enumerate(engines):
+        check_source(source, f"engines[{i}]")
+    return list(engines)
+
+
+def ready_timeout(value: object, name: str = "ready_timeout") -> float:
+    """The timeout to use: ``value``, or ``VLLM_ENGINE_READY_TIMEOUT_S``, or 600 s."""
+    if value is not None:
+        return seconds(name, value, maximum=MAX_READY_TIMEOUT, allow_zero=False)
+    raw = os.environ.get(_READY_TIMEOUT_ENV)
+    if raw:
+        try:
+            number = float(raw)
+        except ValueError:
+            raise ValueError(
+                f"{_READY_TIMEOUT_ENV}={raw!r} is not a number of seconds"
+            ) from None
+        return seconds(
+            name,
+            number,
+            maximum=MAX_READY_TIMEOUT,
+            allow_zero=False,
+            what=f"{_READY_TIMEOUT_ENV} (the default of {name})",
+        )
+    return DEFAULT_READY_TIMEOUT
+
+
+def _profile(value: object) -> None:
+    if value is None or isinstance(value, ProtocolProfile):
+        return
+    if not isinstance(value, str):
+        raise TypeError(
+            f"profile must be None, a ProtocolProfile or a vLLM version str, got {value!r}"
+        )
+    # Resolve it now (an unknown layout must not surface after the engines started);
+    # a newer-release warning is passed on, not swallowed.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            profile_for_version(value)
+        except Exception as exc:
+            raise ValueError(f"profile {value!r}: {exc}") from exc
+    for warning in caught:
+        warnings.warn_explicit(
+            warning.message, warning.category, warning.filename, warning.lineno
+        )
+
+
+def check_open_client(
+    engines: object,
+    *,
+    ready_timeout_s: object,
+    profile: object,
+    allow_insecure_serialization: object,
+    shutdown_grace: object,
+    stream_buffer: object,
+    on_progress: object,
+    on_engine_death: object,
+    waves: object,
+    vocab_size: object,
+) -> None:
+    """Check every :func:`open_client` argument (see the module documentation)."""
+    _sources(engines)
+    ready_timeout(ready_timeout_s)
+    _profile(profile)
+    _flag("allow_insecure_serialization", allow_insecure_serialization)
+    seconds("shutdown_grace", shutdown_grace, maximum=MAX_SHUTDOWN_GRACE, allow_zero=True)
+    integer("stream_buffer", stream_buffer, minimum=1, maximum=_MAX_STREAM_BUFFER)
+    if on_progress is not None and not callable(on_progress):
+        raise TypeError(f"on_progress must be None or a callable, got {on_progress!r}")
+    _choice("on_engine_death", on_engine_death, ("fail", "continue"))
+    _flag("waves", waves)
+    if vocab_size is not None:
+        integer("vocab_size", vocab_size, minimum=1, maximum=_MAX_VOCAB_SIZE)
+
+
+def check_add_engines(source: object, ready_timeout_s: object) -> None:
+    """Check the arguments of ``add_engines``."""
+    check_source(source, "source")
+    ready_timeout(ready_timeout_s)
+
