@@ -45,7 +45,7 @@ class EngineDeadError(TrioVllmError):
     """An engine died (process exit, ``ENGINE_CORE_DEAD``, or a broken connection).
 
     Raised by every pending and every later operation that needs that engine. The
-    underlying reason, when there is one (a :class:`ProtocolError`, an exit status),
+    underlying reason, when there is one (a `ProtocolError`, an exit status),
     is chained as ``__cause__``. ``rank`` is the data-parallel rank of the engine that
     died, or ``None`` when the whole client is gone.
     """

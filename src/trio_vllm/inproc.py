@@ -2,15 +2,15 @@
 
 The counterpart of vLLM's ``InprocClient`` (what ``LLMEngine`` uses with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no sockets, no processes, no background task;
-:meth:`InprocEngine.get_output` runs one engine step in the calling thread and returns
+`InprocEngine.get_output` runs one engine step in the calling thread and returns
 what it produced. It needs vLLM importable *in this process*, which the rest of
-trio-vllm never does: vLLM is imported lazily, only by :meth:`InprocEngine.start`.
+trio-vllm never does: vLLM is imported lazily, only by `InprocEngine.start`.
 
 Requests, utility arguments and outputs cross the same msgpack encoding they cross on
 the wire: a request is encoded with trio-vllm's codec and decoded with vLLM's
 ``MsgpackDecoder``; outputs are encoded with vLLM's ``MsgpackEncoder`` and decoded
 into trio-vllm's structs. So callers use the same types as with
-:func:`~trio_vllm.open_client`, and the in-process path checks the codec for free.
+`open_client`, and the in-process path checks the codec for free.
 
 What it cannot do (as vLLM's ``InprocClient``):
 
@@ -18,7 +18,7 @@ What it cannot do (as vLLM's ``InprocClient``):
   stepping while the call blocks; refused with ``ValueError`` before anything happens;
 * concurrency: it is synchronous and not thread-safe; a step blocks the caller for the
   whole forward pass. For async code, run it in a worker thread or use
-  :class:`~trio_vllm.VllmEngines` (a separate process) instead;
+  `VllmEngines` (a separate process) instead;
 * data parallelism, death detection (an engine exception propagates from the call that
   hit it) and pickled payloads.
 
@@ -59,7 +59,7 @@ class InprocEngine:
     Use as a context manager (``with InprocEngine(...) as engine:``): entering builds
     the engine core (loads the model; can take minutes), leaving shuts it down. Raises
     ``ImportError`` on entering if vLLM is not importable here
-    (:meth:`available` tells beforehand). Not thread-safe.
+    (`available` tells beforehand). Not thread-safe.
     """
 
     def __init__(
@@ -172,7 +172,7 @@ class InprocEngine:
     def get_output(self) -> EngineCoreOutputs:
         """Run one engine step and return its outputs (possibly an empty batch).
 
-        Blocks this thread for the step. Finished requests leave :attr:`live_requests`.
+        Blocks this thread for the step. Finished requests leave `live_requests`.
         """
         core = self._started()
         assert self._codec is not None
@@ -210,7 +210,7 @@ class InprocEngine:
         """Add ``request`` and step the engine, yielding its outputs until the final one.
 
         Outputs of other live requests produced by the same steps are dropped: use
-        :meth:`add_request` and :meth:`get_output` to run several at once. Closing the
+        `add_request` and `get_output` to run several at once. Closing the
         generator early (``break``, an exception) aborts the request.
         """
         self.add_request(request)

@@ -1,9 +1,9 @@
 """A blocking facade over the async client, with vLLM's ``SyncMPClient`` shape.
 
-:class:`SyncClient` runs :func:`~trio_vllm.client.open_client` on trio (or asyncio) in
+`SyncClient` runs `open_client` on trio (or asyncio) in
 one background thread, reached through an anyio blocking portal, and exposes the raw
-API (:meth:`~SyncClient.add_request`, a blocking :meth:`~SyncClient.get_output`,
-:meth:`~SyncClient.abort_requests`, utilities) plus a :meth:`~SyncClient.generate`
+API (`add_request`, a blocking `get_output`,
+`abort_requests`, utilities) plus a `generate`
 iterator::
 
     with trio_vllm.SyncClient(trio_vllm.ReferenceEngines()) as client:
@@ -13,7 +13,7 @@ iterator::
 The thread exists only between ``__enter__`` and ``__exit__``: leaving the ``with``
 block closes every open stream (aborting its request), exits ``open_client`` (engines
 stopped, sockets closed) and joins the thread, whatever the exit path. Engine death
-raises :class:`~trio_vllm.EngineDeadError` in the calling thread.
+raises `EngineDeadError` in the calling thread.
 
 A ``KeyboardInterrupt`` (or any exception) raised in the calling thread while it
 waits on a call cancels that call in the event loop, so it leaves nothing behind.
@@ -88,16 +88,16 @@ def _stop_portal(portal: anyio.from_thread.BlockingPortal) -> None:
 
 @final
 class SyncRequestStream:
-    """The outputs of one request, as a blocking iterator; from :meth:`SyncClient.generate`.
+    """The outputs of one request, as a blocking iterator; from `SyncClient.generate`.
 
-    The request is sent when :meth:`SyncClient.generate` returns. ``next()`` blocks
+    The request is sent when `SyncClient.generate` returns. ``next()`` blocks
     until the next output (one per engine step, or coalesced; see
-    :class:`~trio_vllm.RequestStream`) and stops after the final one. Closing the stream
-    before that, by :meth:`close`, leaving ``with stream:``, breaking out of a ``for``
+    `RequestStream`) and stops after the final one. Closing the stream
+    before that, by `close`, leaving ``with stream:``, breaking out of a ``for``
     loop over ``client.generate(...)`` (CPython finalizes the dropped stream at once) or
     closing the client, aborts the request on the engine.
 
-    Raises :class:`~trio_vllm.EngineDeadError` from ``next()`` once the engine died and
+    Raises `EngineDeadError` from ``next()`` once the engine died and
     the outputs received before are consumed.
     """
 
@@ -223,7 +223,7 @@ class SyncRequestStream:
 
 
 class SyncEngineEvents:
-    """:attr:`SyncClient.engine_events`: the client's :class:`~trio_vllm.EngineEvent`
+    """`SyncClient.engine_events`: the client's `EngineEvent`
     channel, blocking. Iteration ends once the client is closed or dead and nothing is
     queued."""
 
@@ -251,13 +251,13 @@ class SyncEngineEvents:
 
 @final
 class SyncClient(NamedUtilities):
-    """A blocking client: :func:`~trio_vllm.client.open_client` in a background thread.
+    """A blocking client: `open_client` in a background thread.
 
     Args:
         engines: an engine source (``ReferenceEngines``, ``VllmEngines``,
             ``ExternalEngines``) or a list of them.
         backend: the event loop the thread runs, ``"trio"`` (default) or ``"asyncio"``.
-        ready_timeout: as for :func:`~trio_vllm.client.open_client`, like the
+        ready_timeout: as for `open_client`, like the
             following keywords.
         profile: the protocol profile, pinned.
         allow_insecure_serialization: accept pickle payloads from engines.
@@ -270,12 +270,12 @@ class SyncClient(NamedUtilities):
             it are refused before they are sent.
 
     Use it as a context manager; ``__enter__`` starts the thread and waits until the
-    engines are ready (raising :class:`~trio_vllm.EngineStartupError` like
-    ``open_client``, with the thread already joined), ``__exit__`` (or :meth:`close`)
+    engines are ready (raising `EngineStartupError` like
+    ``open_client``, with the thread already joined), ``__exit__`` (or `close`)
     shuts everything down and joins the thread. Every method raises
-    :class:`~trio_vllm.EngineDeadError` once an engine died or the client closed. The
+    `EngineDeadError` once an engine died or the client closed. The
     named utilities (``sleep``, ``wake_up``, ``profile``, ...) are those of
-    :class:`~trio_vllm.EngineCoreClient`, blocking.
+    `EngineCoreClient`, blocking.
     """
 
     def __init__(
@@ -377,7 +377,7 @@ class SyncClient(NamedUtilities):
 
     @property
     def async_client(self) -> EngineCoreClient:
-        """The :class:`~trio_vllm.EngineCoreClient`; use it only through :attr:`portal`."""
+        """The `EngineCoreClient`; use it only through `portal`."""
         if self._client is None:
             raise RuntimeError("the SyncClient is not open")
         return self._client
@@ -483,7 +483,7 @@ class SyncClient(NamedUtilities):
     @property
     def engine_events(self) -> SyncEngineEvents:
         """Unsolicited engine notices and rank losses (see
-        :attr:`EngineCoreClient.engine_events`), blocking."""
+        `EngineCoreClient.engine_events`), blocking."""
         return self._events
 
     @property
@@ -499,7 +499,7 @@ class SyncClient(NamedUtilities):
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: EngineCoreRequest, *, rank: int | None = None) -> None:
-        """Send a request; its outputs come from :meth:`get_output` (``ValueError`` if
+        """Send a request; its outputs come from `get_output` (``ValueError`` if
         invalid or its id is live)."""
         self._call(self.async_client.add_request, request, rank=rank)
 
@@ -507,7 +507,7 @@ class SyncClient(NamedUtilities):
         """Block until the next EngineCoreOutputs batch of raw requests.
 
         Raises ``TimeoutError`` after ``timeout`` seconds (nothing consumed) and
-        :class:`~trio_vllm.EngineDeadError` once dead and nothing is queued.
+        `EngineDeadError` once dead and nothing is queued.
         """
         client = self.async_client
 
@@ -518,7 +518,7 @@ class SyncClient(NamedUtilities):
         return self._call(get)
 
     def abort_requests(self, request_ids: Iterable[str], *, rank: int | None = None) -> None:
-        """Abort requests by id (see :meth:`EngineCoreClient.abort_requests`)."""
+        """Abort requests by id (see `EngineCoreClient.abort_requests`)."""
         self._call(self.async_client.abort_requests, list(request_ids), rank=rank)
 
     def generate(
@@ -553,7 +553,7 @@ class SyncClient(NamedUtilities):
         self, method: str, *args: object, return_exceptions: bool = False
     ) -> list[object]:
         """Call ``method(*args)`` on every live engine; results in rank order (see
-        :meth:`EngineCoreClient.call_utility_all` for ``return_exceptions``)."""
+        `EngineCoreClient.call_utility_all` for ``return_exceptions``)."""
         return self._call(
             self.async_client.call_utility_all,
             method,
@@ -572,11 +572,11 @@ class SyncClient(NamedUtilities):
     # ------------------------------------------------------------------ scaling
 
     def retire_rank(self, rank: int, *, drain: bool = True) -> None:
-        """Scale down (see :meth:`EngineCoreClient.retire_rank`)."""
+        """Scale down (see `EngineCoreClient.retire_rank`)."""
         self._call(self.async_client.retire_rank, rank, drain=drain)
 
     def add_engines(self, source: EngineSource, *, ready_timeout: float | None = None) -> list[int]:
-        """Scale up (see :meth:`EngineCoreClient.add_engines`); returns the added ranks."""
+        """Scale up (see `EngineCoreClient.add_engines`); returns the added ranks."""
         return self._call(self.async_client.add_engines, source, ready_timeout=ready_timeout)
 
 

@@ -48,7 +48,7 @@ _SUBCOMMANDS: tuple[_Subcommand, ...] = (
 
 _INTERRUPTED = 130
 
-# ``literal``, :role:`target` and :role:`~pkg.mod.name` in docstring-derived texts.
+# ``literal``, `target` and `name` in docstring-derived texts.
 _REST = re.compile(r"``([^`]+)``|:[a-z]+:`(~?)([^`<]+?)(?:\s*<[^>]*>)?`")
 
 

@@ -1,6 +1,6 @@
-"""The structured-concurrency client: :func:`open_client`, engine sources, streams.
+"""The structured-concurrency client: `open_client`, engine sources, streams.
 
-Public names are re-exported from :mod:`trio_vllm`.
+Public names are re-exported from `trio_vllm`.
 """
 
 from __future__ import annotations

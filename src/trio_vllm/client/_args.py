@@ -1,4 +1,4 @@
-"""Argument checks for :func:`open_client`, the engine sources and ``add_engines``.
+"""Argument checks for `open_client`, the engine sources and ``add_engines``.
 
 Every argument is checked up front, before a socket is bound or a process started, and
 a bad one raises ``TypeError`` (wrong type: a string for seconds, a bool for a count, a
@@ -49,7 +49,7 @@ MAX_READY_TIMEOUT: Final = 1e6
 MAX_SHUTDOWN_GRACE: Final = 3600.0
 _MAX_STREAM_BUFFER: Final = 1 << 24
 _MAX_VOCAB_SIZE: Final = (1 << 31) - 1
-# An engine's routing identity is its rank in 2 bytes (PROTOCOL.md §2.2).
+# An engine's routing identity is its rank in 2 bytes (docs/protocol.md §2.2).
 RANK_LIMIT: Final = 1 << 16
 _READY_TIMEOUT_ENV: Final = "VLLM_ENGINE_READY_TIMEOUT_S"
 
@@ -311,7 +311,7 @@ def check_open_client(
     waves: object,
     vocab_size: object,
 ) -> None:
-    """Check every :func:`open_client` argument (see the module documentation)."""
+    """Check every `open_client` argument (see the module documentation)."""
     _sources(engines)
     ready_timeout(ready_timeout_s)
     _profile(profile)

@@ -1,11 +1,11 @@
-"""The structured-concurrency engine-core client: :func:`open_client` and its client.
+"""The structured-concurrency engine-core client: `open_client` and its client.
 
-:class:`EngineCoreClient` is an I/O shell over the sans-I/O
-:class:`~trio_vllm.protocol.session.ClientSession`, which holds every rule (ranks,
+`EngineCoreClient` is an I/O shell over the sans-I/O
+`ClientSession`, which holds every rule (ranks,
 requests, utility calls, death, waves, routing). The shell owns the sockets and
 tasks and carries out the session's actions.
 
-One task group, owned by the :func:`open_client` context manager, holds every task
+One task group, owned by the `open_client` context manager, holds every task
 the client runs: the handshake (during startup and each join), one receive task on
 the output socket, a guard on the input socket (engines must not send there after
 their ready response; a joining engine's ready response is handed to its join), and
@@ -15,7 +15,7 @@ nothing outlives the ``async with`` block.
 Tasks never raise into the group for engine trouble: an engine exit, an
 ``ENGINE_CORE_DEAD`` frame, an undecodable frame or a broken socket moves the client to
 the *dead* state, which wakes every waiter at once with
-:class:`~trio_vllm.EngineDeadError` (the cause chained) and makes every later call
+`EngineDeadError` (the cause chained) and makes every later call
 raise it too. A death noticed outside the output stream (a send that found no peer, a
 dropped connection, a process exit) is declared only after the receive task drained
 what the engine sent before, so those outputs reach their streams first. The body of
@@ -100,7 +100,7 @@ logger = logging.getLogger("trio_vllm.client")
 
 
 class EngineEvents(Mailbox[EngineEvent]):
-    """The client's channel of :class:`EngineEvent`: ``async for event in
+    """The client's channel of `EngineEvent`: ``async for event in
     client.engine_events`` or ``await client.engine_events.receive()``.
 
     Unbounded (the events are rare); iteration ends, and ``receive`` raises
@@ -122,7 +122,7 @@ class _Call:
 
 @dataclass(frozen=True, slots=True)
 class _Parts:
-    """Everything a client is made of, gathered by :func:`open_client`."""
+    """Everything a client is made of, gathered by `open_client`."""
 
     session: ClientSession
     sockets: Sockets
@@ -137,19 +137,19 @@ class _Parts:
 
 @final
 class EngineCoreClient(NamedUtilities):
-    """A connection to one or more engine cores; created only by :func:`open_client`.
+    """A connection to one or more engine cores; created only by `open_client`.
 
     Two layers of API:
 
     * per-request streams: ``async with client.generate(request) as stream`` then
       ``async for output in stream``; leaving the block before the final output
       (break, exception, cancellation) aborts the request on the engine;
-    * raw parity with vLLM's ``EngineCoreClient``: :meth:`add_request`,
-      :meth:`get_output`, :meth:`abort_requests`, :meth:`call_utility`,
-      :meth:`call_utility_all` and the named utilities (``sleep``, ``wake_up``,
+    * raw parity with vLLM's ``EngineCoreClient``: `add_request`,
+      `get_output`, `abort_requests`, `call_utility`,
+      `call_utility_all` and the named utilities (``sleep``, ``wake_up``,
       ``profile``, ``collective_rpc``, ...; see ``_utilities.py``).
 
-    Every method raises :class:`~trio_vllm.EngineDeadError` once an engine died or
+    Every method raises `EngineDeadError` once an engine died or
     the client was closed. Cancelling one caller never affects another. The client
     belongs to the event loop and thread that opened it: every public method raises
     ``RuntimeError`` when called from another, before anything is sent (``_owner.py``).
@@ -201,7 +201,7 @@ class EngineCoreClient(NamedUtilities):
         """Unsolicited engine notices and rank losses, in arrival order.
 
         Elastic-EP (call id -1) and fault-tolerance (call id -2) messages are never
-        matched against utility calls; they arrive here as :class:`EngineEvent`. The
+        matched against utility calls; they arrive here as `EngineEvent`. The
         buffer is unbounded (these are rare); iteration ends when the client closes.
         """
         return self._events
@@ -399,7 +399,7 @@ class EngineCoreClient(NamedUtilities):
         return request_id, target, self._wire.encode_add(request)
 
     async def add_request(self, request: EngineCoreRequest, *, rank: int | None = None) -> None:
-        """Send an EngineCoreRequest; its outputs come from :meth:`get_output`.
+        """Send an EngineCoreRequest; its outputs come from `get_output`.
 
         Raises ``ValueError`` before anything is sent if the request is invalid or its
         id is live on this client. Cancellation: if cancelled, nothing was sent and the
@@ -418,12 +418,12 @@ class EngineCoreClient(NamedUtilities):
     async def get_output(self) -> EngineCoreOutputs:
         """Wait for the next EngineCoreOutputs batch for raw requests (vLLM's get_output).
 
-        Batches carry the outputs of requests sent with :meth:`add_request` (stream
+        Batches carry the outputs of requests sent with `add_request` (stream
         outputs are routed to their streams), plus scheduler stats and wave events
         while the raw API is in use (a raw request live, a call waiting, or one in
         the last 2 s). Utility replies never appear here. Batches are queued without
         bound, as in vLLM; consume them. Cancellation: nothing is consumed by a
-        cancelled call. Raises :class:`~trio_vllm.EngineDeadError` once dead and the
+        cancelled call. Raises `EngineDeadError` once dead and the
         queue is empty.
 
         Scheduling: while batches are queued, a call yields to other tasks at most once
@@ -488,12 +488,12 @@ class EngineCoreClient(NamedUtilities):
     async def generate(
         self, request: EngineCoreRequest, *, rank: int | None = None, max_pending: int | None = None
     ) -> AsyncIterator[RequestStream]:
-        """Send ``request`` and yield a :class:`RequestStream` of its outputs.
+        """Send ``request`` and yield a `RequestStream` of its outputs.
 
         Leaving the block before the final output (``break``, an exception,
         cancellation) sends ABORT for the request, without a checkpoint, so it also
         works in cancelled code. ``max_pending`` bounds the stream's buffer (see
-        :mod:`trio_vllm.client._streams` on coalescing). Raises ``ValueError`` before
+        `trio_vllm.client._streams` on coalescing). Raises ``ValueError`` before
         anything is sent for an invalid request or a live duplicate id, and for a
         ``max_pending`` that is not an int >= 1.
         """
@@ -520,8 +520,8 @@ class EngineCoreClient(NamedUtilities):
         """Call ``method(*args)`` on one engine (``rank``, else the least busy) and return
         its result.
 
-        Raises :class:`~trio_vllm.UtilityCallError` with the engine's message if the
-        method failed there, :class:`~trio_vllm.EngineDeadError` if the engine dies
+        Raises `UtilityCallError` with the engine's message if the
+        method failed there, `EngineDeadError` if the engine dies
         (or its rank is retired) first. Cancellation: the pending entry is removed; a
         reply that arrives later is dropped quietly.
         """
@@ -548,13 +548,13 @@ class EngineCoreClient(NamedUtilities):
         self, method: str, *args: object, return_exceptions: bool = False
     ) -> list[object]:
         """Call ``method(*args)`` on every live engine concurrently; results in rank
-        order (of :attr:`live_ranks`).
+        order (of `live_ranks`).
 
         If any call fails, the first failure by rank is raised (an
-        :class:`~trio_vllm.EngineDeadError` takes precedence) after all calls ended.
+        `EngineDeadError` takes precedence) after all calls ended.
         With ``return_exceptions=True`` nothing is raised for engine-side trouble:
-        each rank's entry is its result or its :class:`~trio_vllm.TrioVllmError`
-        (:class:`~trio_vllm.UtilityCallError`, :class:`~trio_vllm.EngineDeadError`).
+        each rank's entry is its result or its `TrioVllmError`
+        (`UtilityCallError`, `EngineDeadError`).
         Cancellation cancels every call.
         """
         self._owner.check("call_utility_all")
@@ -600,12 +600,12 @@ class EngineCoreClient(NamedUtilities):
         with ``aborted`` set, the engine gets ABORT). Then a process this client
         spawned for that rank alone is stopped (SIGTERM, grace, SIGKILL); an external
         engine is left running, unused. Utility calls still pending on the rank fail
-        with :class:`~trio_vllm.EngineDeadError`. An :class:`EngineEvent`
+        with `EngineDeadError`. An `EngineEvent`
         ``"rank_retired"`` follows. Cancellation while draining: the rank stays out of
         routing and its requests keep running. Raises ``ValueError`` for an unknown or
         gone rank or the last live rank. A rank that dies while draining is a death as
         usual (the client dies, or with ``on_engine_death="continue"`` its requests
-        fail), and this call raises :class:`~trio_vllm.EngineDeadError`.
+        fail), and this call raises `EngineDeadError`.
         """
         self._owner.check("retire_rank")
         _args.check_rank(rank)
@@ -640,8 +640,8 @@ class EngineCoreClient(NamedUtilities):
         ranks must be new to this client. Returns the added ranks; they get requests
         at once. External engines can join only a client that started with an external
         source (their connections are watched by the same monitor). Raises
-        :class:`~trio_vllm.EngineStartupError` if an engine exits, the handshake fails
-        or ``ready_timeout`` passes, :class:`~trio_vllm.EngineDeadError` as soon as
+        `EngineStartupError` if an engine exits, the handshake fails
+        or ``ready_timeout`` passes, `EngineDeadError` as soon as
         the client dies meanwhile; then, and on cancellation, spawned engines are
         stopped and nothing changed (the ranks stay reserved: a late answer from them
         is dropped quietly). Only one call at a time. A bad argument raises
@@ -717,8 +717,8 @@ async def open_client(
     """Start (or wait for) engines, handshake with them, and yield a client.
 
     Args:
-        engines: a :class:`ReferenceEngines`, :class:`VllmEngines` or
-            :class:`ExternalEngines`, or a list of them whose ranks do not overlap
+        engines: a `ReferenceEngines`, `VllmEngines` or
+            `ExternalEngines`, or a list of them whose ranks do not overlap
             (data parallel over several sources and hosts; each source's engines get
             the addresses of its own layout, e.g. its own host).
         ready_timeout: seconds to wait for every engine to be ready (default
@@ -731,11 +731,11 @@ async def open_client(
         on_progress: called (synchronously) on every startup step.
         on_engine_death: ``"fail"`` (default, as vLLM): one rank's death makes the
             client dead, the error naming the rank. ``"continue"``: only that rank's
-            requests and utility calls fail (:class:`EngineDeadError` with its
+            requests and utility calls fail (`EngineDeadError` with its
             ``rank``), new requests go to the surviving ranks, an
-            :class:`EngineEvent` ``"rank_lost"`` is queued; the client dies when the
+            `EngineEvent` ``"rank_lost"`` is queued; the client dies when the
             last rank does.
-        waves: play the DP coordinator's wave role for MoE engines (PROTOCOL.md
+        waves: play the DP coordinator's wave role for MoE engines (docs/protocol.md
             §7.4/§7.5): wake idle ranks with START_DP_WAVE when a request goes to one
             of them, follow ``wave_complete``/``start_wave``. Only for engines that
             run DP waves (without a coordinator); others log each START_DP_WAVE.
@@ -749,10 +749,10 @@ async def open_client(
             socket is bound or process started.
         EngineStartupError: an engine exited during startup (exit code and its last
             output lines in the message), the handshake failed (the
-            :class:`ProtocolError` chained), or ``ready_timeout`` passed.
+            `ProtocolError` chained), or ``ready_timeout`` passed.
 
     On exit, by return, exception or cancellation: the client is dead (pending calls
-    raise :class:`EngineDeadError`), every task has ended, spawned engines got
+    raise `EngineDeadError`), every task has ended, spawned engines got
     SIGTERM, ``shutdown_grace`` seconds, then SIGKILL and were reaped, every socket is
     closed and the ipc directory is removed. Exceptions from the body propagate as
     they are (never wrapped in an exception group).

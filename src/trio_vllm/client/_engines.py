@@ -1,6 +1,6 @@
 """Where engines come from: the bundled reference engine, stock vLLM, or elsewhere.
 
-An engine source tells :func:`~trio_vllm.open_client` three things: which ranks to
+An engine source tells `open_client` three things: which ranks to
 expect, how to lay out the sockets (ipc in a private directory, or TCP on a host),
 and how to start the processes once the handshake socket is bound. The client owns
 everything else (binding, the handshake, watching and stopping the processes).

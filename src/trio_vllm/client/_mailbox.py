@@ -1,13 +1,13 @@
 """The client's one queue primitive: a deque and an event, filled without blocking.
 
 The receive task puts items with a synchronous call (never a checkpoint, never
-blocks); consumers await them. :class:`Mailbox` is used as it is for the engine
+blocks); consumers await them. `Mailbox` is used as it is for the engine
 events and the raw ``get_output`` batches, and extended by
-:class:`~trio_vllm.RequestStream`, which merges into its newest item instead of
+`RequestStream`, which merges into its newest item instead of
 queueing once it holds ``max_pending`` (O(1) coalescing, see ``_streams.py``).
 
-Ending: :meth:`Mailbox.close` with no error ends iteration (``anyio.EndOfStream``
-from :meth:`~Mailbox.receive`) once the queue is empty; with an error factory every
+Ending: `Mailbox.close` with no error ends iteration (``anyio.EndOfStream``
+from `receive`) once the queue is empty; with an error factory every
 later call raises a fresh error from it, also once the queue is empty, so items
 that arrived before the end are always handed out first.
 """
@@ -38,7 +38,7 @@ YIELD_INTERVAL: Final = 0.001
 class Mailbox(Generic[T]):
     """An unbounded single-consumer queue fed synchronously by the receive task.
 
-    Cancellation: a cancelled :meth:`receive` consumed nothing; the next call returns
+    Cancellation: a cancelled `receive` consumed nothing; the next call returns
     the same item.
     """
 

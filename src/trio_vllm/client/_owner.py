@@ -31,7 +31,7 @@ _get_ident: Final = threading.get_ident
 
 
 class LoopOwner:
-    """The thread and event loop current at creation; :meth:`check` compares."""
+    """The thread and event loop current at creation; `check` compares."""
 
     __slots__ = ("_asyncio_loop", "_library", "_thread", "_thread_name")
 

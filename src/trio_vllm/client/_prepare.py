@@ -1,10 +1,10 @@
-"""Build valid EngineCoreRequests without knowing vLLM's frontend duties (PROTOCOL.md §10).
+"""Build valid EngineCoreRequests without knowing vLLM's frontend duties (docs/protocol.md §10).
 
 vLLM's input processor fills in a request before the engine sees it: a unique id, the
 arrival time, an explicit ``max_tokens``, the EOS token among the stop ids, the stop
-ids mirrored into ``_all_stop_token_ids``, ``n = 1``. :func:`make_request` does the
-same for a prompt of token ids; :func:`prepare_sampling_params` does it for a
-:class:`SamplingParams` you built yourself.
+ids mirrored into ``_all_stop_token_ids``, ``n = 1``. `make_request` does the
+same for a prompt of token ids; `prepare_sampling_params` does it for a
+`SamplingParams` you built yourself.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def prepare_sampling_params(
     eos_token_id: int | None = None,
     extra_eos_token_ids: Iterable[int] = (),
 ) -> SamplingParams:
-    """Return a copy of ``params`` with the frontend's duties done (PROTOCOL.md §10).
+    """Return a copy of ``params`` with the frontend's duties done (docs/protocol.md §10).
 
     * ``max_tokens``: must be set; if it is ``None`` it becomes ``max_model_len -
       prompt_len`` (vLLM's default), which needs both lengths.
@@ -114,7 +114,7 @@ def make_request(
     Greedy by default (``temperature=0.0``) and ``max_tokens=16``; pass
     ``sampling_params`` to take full control (the simple keywords are then ignored,
     but the §10 duties are still applied). ``request_id`` defaults to a fresh
-    :func:`new_request_id`; ``arrival_time`` is now. With ``max_model_len`` the prompt
+    `new_request_id`; ``arrival_time`` is now. With ``max_model_len`` the prompt
     length is checked (``len(prompt) < max_model_len``) and a ``None`` ``max_tokens``
     means "up to the context limit".
 

@@ -1,9 +1,9 @@
 """The client's receiving side: the receive task and the input-socket guard.
 
-:class:`Receiver` reads the output socket (one receive task) and guards the input
+`Receiver` reads the output socket (one receive task) and guards the input
 socket, handing everything to the session and its actions to the client's
 ``apply``. It also owns the *drain first* step of the one death path: a death noticed
-outside the output stream (:meth:`Receiver.wake`) is declared only after the output
+outside the output stream (`Receiver.wake`) is declared only after the output
 socket went quiet, so what the engine sent before reaches its streams first.
 Its tasks end on close or death and never raise.
 """

@@ -1,11 +1,11 @@
 """Getting engines connected: binding, spawning and the handshake, for startup and joins.
 
-:func:`~trio_vllm.open_client` and :meth:`~trio_vllm.EngineCoreClient.add_engines` run
-the same code here: :class:`Sockets` binds the input and output sockets for each
+`open_client` and `add_engines` run
+the same code here: `Sockets` binds the input and output sockets for each
 source's layout (once per distinct layout) and a handshake socket per run;
-:func:`start_engines` spawns the sources' processes, starts their watchers in the
-client's task group and serves the handshake (:class:`HandshakeRun`, over the
-sans-I/O :class:`~trio_vllm.protocol.handshake.ClientHandshake`) until every engine is
+`start_engines` spawns the sources' processes, starts their watchers in the
+client's task group and serves the handshake (`HandshakeRun`, over the
+sans-I/O `ClientHandshake`) until every engine is
 ready, one failed or the deadline passed. Nothing here decides what a death means;
 that is the session's.
 """
@@ -247,7 +247,7 @@ def _advertised(endpoint: str, host: str) -> str:
 
 
 class _Handshakes:
-    """One :class:`ClientHandshake` per source (each advertises its own addresses),
+    """One `ClientHandshake` per source (each advertises its own addresses),
     seen as one: messages are dispatched by the sender's rank."""
 
     def __init__(self, parts: Sequence[ClientHandshake]) -> None:
@@ -485,7 +485,7 @@ async def start_engines(
 ) -> None:
     """Spawn every source's engines (into ``processes``, the caller's list, so that it
     can stop them whatever happens), watch them from ``task_group`` and serve the
-    handshake until ``run`` is done; raises :class:`EngineStartupError` if it did not
+    handshake until ``run`` is done; raises `EngineStartupError` if it did not
     complete. ``input_socket``: read ready responses here (startup) rather than have
     the client's input guard feed them (a join)."""
     logger.info("starting %s (ranks %s)", engines.describe(), engines.ranks)
@@ -558,7 +558,7 @@ async def connect_engines(
     watch, serve the handshake. An exit after the handshake went to ``on_exit``
     (before, it fails the run). ``on_run`` gets the run first (a join's ready
     responses arrive through the client's input guard). Raises
-    :class:`EngineStartupError`; spawned processes are in ``processes`` either way."""
+    `EngineStartupError`; spawned processes are in ``processes`` either way."""
     parts, watched = handshake_parts(sockets, engines)
     run = HandshakeRun(parts, on_progress)
     if on_run is not None:

@@ -1,7 +1,7 @@
 """Per-request output streams, fed by the receive task without ever blocking it.
 
-The receive task hands each :class:`EngineCoreOutput` of a request to its
-:class:`RequestStream` with a synchronous call (:meth:`RequestStream._deliver`); the
+The receive task hands each `EngineCoreOutput` of a request to its
+`RequestStream` with a synchronous call (`RequestStream._deliver`); the
 consumer awaits them with ``async for``. A stream buffers at most ``max_pending``
 outputs. When a consumer lags behind by that many engine steps, further outputs are
 *coalesced* into the last buffered one instead of queued: token ids are appended,
@@ -71,7 +71,7 @@ def _merge_into(a: Any, b: Any, lp_parts: list[Any] | None) -> list[Any] | None:
 
     Costs O(size of ``b``): token ids and events are extended in place, and logprob
     rows are collected in ``lp_parts`` (returned) to be concatenated once, by
-    :func:`_finish_merge`, when ``a`` is handed out.
+    `_finish_merge`, when ``a`` is handed out.
     """
     a.new_token_ids.extend(b.new_token_ids)
     a.finish_reason = b.finish_reason
@@ -121,12 +121,12 @@ class RequestStream(Mailbox[EngineCoreOutput]):
     """The outputs of one request, in order: ``async for out in stream``.
 
     Obtained from ``async with client.generate(request) as stream``. Iteration yields
-    one :class:`~trio_vllm.EngineCoreOutput` per engine step (or a coalesced one, see
+    one `EngineCoreOutput` per engine step (or a coalesced one, see
     the module documentation) and stops after the output that carries a
     ``finish_reason``, or when the request was aborted through
-    :meth:`~trio_vllm.EngineCoreClient.abort_requests`.
+    `abort_requests`.
 
-    Errors: :class:`~trio_vllm.EngineDeadError` once the engine died and every output
+    Errors: `EngineDeadError` once the engine died and every output
     that arrived before is consumed. Cancellation: a cancelled ``__anext__`` consumed
     nothing; the next call returns the same output.
 
@@ -168,7 +168,7 @@ class RequestStream(Mailbox[EngineCoreOutput]):
 
     def _deliver(self, output: EngineCoreOutput) -> None:
         if self._received_final or self.aborted:
-            return  # late output after finish/abort: ignore (PROTOCOL.md §3.4)
+            return  # late output after finish/abort: ignore (docs/protocol.md §3.4)
         pending = self._pending
         if len(pending) >= self.max_pending:
             # Merge into the newest buffered output, in place: it is ours (decoded for

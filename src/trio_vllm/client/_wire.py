@@ -1,8 +1,8 @@
 """The client's one door to the protocol layer: encode requests, decode outputs.
 
-Everything byte-level the client does goes through :class:`Wire`, which binds a
+Everything byte-level the client does goes through `Wire`, which binds a
 protocol profile (chosen from the engines' ``vllm_version`` or pinned) to the codec of
-:mod:`trio_vllm.protocol`. Keeping it in one place lets the client stay free of wire
+`trio_vllm.protocol`. Keeping it in one place lets the client stay free of wire
 details.
 """
 
@@ -54,7 +54,7 @@ class Wire:
     ) -> Wire:
         """Pick the profile: pinned (object or version string), else from ``vllm_version``.
 
-        Raises :class:`ProtocolError` for an engine version whose layout is unknown.
+        Raises `ProtocolError` for an engine version whose layout is unknown.
         """
         if isinstance(profile, str):
             chosen = profile_for_version(profile)
@@ -128,7 +128,7 @@ class Wire:
     def decode_outputs(self, frames: Sequence[Any]) -> EngineCoreOutputs | None:
         """Decode one output message; ``None`` means ENGINE_CORE_DEAD.
 
-        Raises :class:`~trio_vllm.ProtocolError` describing the frame otherwise.
+        Raises `ProtocolError` describing the frame otherwise.
         """
         outputs = self._codec.decode_outputs(frames)
         if isinstance(outputs, EngineCoreDead):

@@ -1,7 +1,7 @@
 """The async text frontend: ``open_llm`` and ``LLM`` over the engine-core client.
 
 Text in, text out, as vLLM's ``AsyncLLM``, with the rules in the sans-I/O text layer
-(:mod:`trio_vllm.text`). Importing this package does not import ``tokenizers`` or
+(`trio_vllm.text`). Importing this package does not import ``tokenizers`` or
 ``jinja2`` (the first model loaded does).
 """
 

@@ -1,9 +1,9 @@
 """The async text frontend: text in, text out, over the engine-core client.
 
-:func:`open_llm` starts (or reaches) engines with :func:`~trio_vllm.open_client` and
-loads a model directory's tokenizer; :class:`LLM` turns prompts into engine requests with
-the sans-I/O text layer (:mod:`trio_vllm.text`) and engine outputs back into vLLM-shaped
-:class:`~trio_vllm.RequestOutput` s. It owns no sockets and no tasks of its own beyond
+`open_llm` starts (or reaches) engines with `open_client` and
+loads a model directory's tokenizer; `LLM` turns prompts into engine requests with
+the sans-I/O text layer (`trio_vllm.text`) and engine outputs back into vLLM-shaped
+`RequestOutput` s. It owns no sockets and no tasks of its own beyond
 the per-request ones a ``generate`` block owns for ``n > 1``.
 """
 
@@ -62,14 +62,14 @@ class _Generate:
 class LLM:
     """Text generation over an engine-core client (vLLM's ``AsyncLLM``, structured).
 
-    Usually obtained from :func:`open_llm`; build one yourself over a client you own as
+    Usually obtained from `open_llm`; build one yourself over a client you own as
     ``LLM(client, model=DIR)`` (loads the tokenizer synchronously).
 
     Attributes:
         tokenizer: the model's tokenizer (``encode``, ``decode``, ``vocab_size``).
         model_name: the served model name (default: the model directory's name).
         max_model_len: the context length the engines reported.
-        client: the underlying :class:`~trio_vllm.EngineCoreClient`.
+        client: the underlying `EngineCoreClient`.
     """
 
     def __init__(
@@ -107,7 +107,7 @@ class LLM:
 
     @property
     def dead(self) -> bool:
-        """The engines died (every call raises :class:`~trio_vllm.EngineDeadError`)."""
+        """The engines died (every call raises `EngineDeadError`)."""
         return self.client.dead
 
     @property
@@ -152,14 +152,14 @@ class LLM:
 
         The prompt is text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids":
         ...}``. It is tokenized and checked here, synchronously: a bad request raises
-        :class:`~trio_vllm.InvalidRequestError` before anything is sent. Entering the
+        `InvalidRequestError` before anything is sent. Entering the
         block sends the request (``n`` child requests for ``n > 1``); the stream yields
-        :class:`~trio_vllm.RequestOutput` per ``params.output_kind``.
+        `RequestOutput` per ``params.output_kind``.
 
         Leaving the block before the final output (``break``, an exception, cancellation)
         aborts every unfinished child on the engine. Registering and sending are one step
         under cancellation: a cancelled ``__aenter__`` left nothing in this LLM and no
-        request on the engine. Engine death raises :class:`~trio_vllm.EngineDeadError`.
+        request on the engine. Engine death raises `EngineDeadError`.
         """
         processed = self._inputs.process_inputs(
             self._new_id() if request_id is None else request_id, prompt, params
@@ -176,7 +176,7 @@ class LLM:
         """Generate and return the final output with all ``n`` completions.
 
         ``params.output_kind`` is ignored (the request is sent as FINAL_ONLY).
-        Cancellation aborts the request on the engine; errors as :meth:`generate`.
+        Cancellation aborts the request on the engine; errors as `generate`.
         """
         params = _final_only(params)
         async with self.generate(prompt, params, request_id=request_id) as stream:
@@ -192,10 +192,10 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
     ) -> contextlib.AbstractAsyncContextManager[RequestOutputStream]:
-        """Generate a reply to a conversation: :meth:`render_chat`, then :meth:`generate`.
+        """Generate a reply to a conversation: `render_chat`, then `generate`.
 
         ``messages`` are OpenAI-shaped (``{"role": ..., "content": ...}``). A bad
-        conversation or template raises :class:`~trio_vllm.InvalidRequestError` here.
+        conversation or template raises `InvalidRequestError` here.
         """
         processed = self._inputs.process_chat(
             self._new_id() if request_id is None else request_id,
@@ -217,7 +217,7 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
     ) -> RequestOutput:
-        """:meth:`chat`, returning the final output (as :meth:`generate_final`)."""
+        """`chat`, returning the final output (as `generate_final`)."""
         params = _final_only(params)
         async with self.chat(
             messages,
@@ -238,7 +238,7 @@ class LLM:
         chat_template_kwargs: Mapping[str, object] | None = None,
     ) -> tuple[str, list[int]]:
         """The prompt text and token ids of a conversation (the model's chat template,
-        or ``chat_template``). Raises :class:`~trio_vllm.InvalidRequestError`."""
+        or ``chat_template``). Raises `InvalidRequestError`."""
         return self._inputs.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -289,16 +289,16 @@ async def open_llm(
     served_model_name: str | None = None,
     **client_options: Any,
 ) -> AsyncIterator[LLM]:
-    """Load ``model``'s tokenizer, start the engines, and yield an :class:`LLM`.
+    """Load ``model``'s tokenizer, start the engines, and yield an `LLM`.
 
     ``model`` is a local model directory (or a hub name already in the local cache);
-    ``None`` means the engines' own: :data:`trio_vllm.reference_engine.MODEL_DIR` for
-    :class:`~trio_vllm.ReferenceEngines`, the ``model`` of :class:`~trio_vllm.VllmEngines`.
-    ``client_options`` are :func:`~trio_vllm.open_client`'s keywords.
+    ``None`` means the engines' own: `trio_vllm.reference_engine.MODEL_DIR` for
+    `ReferenceEngines`, the ``model`` of `VllmEngines`.
+    ``client_options`` are `open_client`'s keywords.
 
     The tokenizer is loaded (in a worker thread) before any engine starts, so a bad
     model directory fails fast (``FileNotFoundError`` / ``ValueError``). On exit the
-    client closes as :func:`~trio_vllm.open_client` documents.
+    client closes as `open_client` documents.
     """
     from ..client import open_client
     from ..text import ModelFiles

@@ -1,6 +1,6 @@
 """One text request in flight: its engine requests, their client streams, its outputs.
 
-A :class:`RequestOutputStream` is what ``async with llm.generate(...) as stream`` gives.
+A `RequestOutputStream` is what ``async with llm.generate(...) as stream`` gives.
 It owns the client streams of its engine requests (one, or ``n`` children for parallel
 sampling) and feeds every engine output to the LLM's shared sans-I/O
 ``OutputProcessor``, which decides what the caller sees and which children the engine
@@ -74,7 +74,7 @@ class RequestOutputStream:
     engine step that changed something, FINAL_ONLY once at the end with all ``n``
     completions. Iteration stops after the output with ``finished`` true.
 
-    Errors: :class:`~trio_vllm.EngineDeadError` once the engine died (outputs that
+    Errors: `EngineDeadError` once the engine died (outputs that
     arrived before are delivered first). Cancellation: a cancelled ``__anext__``
     consumed nothing; the next call returns the same output.
 

@@ -1,7 +1,7 @@
-"""The blocking twin of :class:`~trio_vllm.LLM`: text generation without an event loop.
+"""The blocking twin of `LLM`: text generation without an event loop.
 
-:class:`SyncLLM` runs the engine-core client and the async frontend in one background
-thread (a :class:`~trio_vllm.SyncClient`'s event loop) and exposes blocking calls::
+`SyncLLM` runs the engine-core client and the async frontend in one background
+thread (a `SyncClient`'s event loop) and exposes blocking calls::
 
     with trio_vllm.SyncLLM(trio_vllm.ReferenceEngines()) as llm:
         print(llm.generate_final("hello", trio_vllm.SamplingParams(max_tokens=8)))
@@ -54,10 +54,10 @@ async def _next(stream: RequestOutputStream) -> RequestOutput | None:
 
 @final
 class SyncRequestOutputStream:
-    """A text request's outputs as a blocking iterator; from :meth:`SyncLLM.generate`.
+    """A text request's outputs as a blocking iterator; from `SyncLLM.generate`.
 
-    The request is sent when :meth:`SyncLLM.generate` returns; ``next()`` blocks until
-    the next :class:`~trio_vllm.RequestOutput` and stops after the final one. Closing it
+    The request is sent when `SyncLLM.generate` returns; ``next()`` blocks until
+    the next `RequestOutput` and stops after the final one. Closing it
     before (``close()``, ``with``, dropping it) aborts every unfinished child request.
     """
 
@@ -130,19 +130,19 @@ class SyncRequestOutputStream:
 
 @final
 class SyncLLM:
-    """A blocking :class:`~trio_vllm.LLM`: the client and frontend in a background thread.
+    """A blocking `LLM`: the client and frontend in a background thread.
 
     Args:
-        engines: an engine source, as for :func:`~trio_vllm.open_llm`.
+        engines: an engine source, as for `open_llm`.
         model: the model directory (default: the engines' own, as ``open_llm``).
-        served_model_name: the name reported as :attr:`model_name`.
+        served_model_name: the name reported as `model_name`.
         backend: the event loop of the thread, ``"trio"`` (default) or ``"asyncio"``.
-        **client_options: :func:`~trio_vllm.open_client`'s keywords.
+        **client_options: `open_client`'s keywords.
 
     ``__enter__`` loads the tokenizer, starts the engines and waits until they are ready
-    (raising as ``open_llm`` does); ``__exit__`` (or :meth:`close`) closes open streams,
+    (raising as ``open_llm`` does); ``__exit__`` (or `close`) closes open streams,
     stops the engines and joins the thread. Calls raise
-    :class:`~trio_vllm.EngineDeadError` once an engine died or the ``SyncLLM`` closed.
+    `EngineDeadError` once an engine died or the ``SyncLLM`` closed.
     """
 
     def __init__(
@@ -218,7 +218,7 @@ class SyncLLM:
 
     @property
     def llm(self) -> LLM:
-        """The async :class:`~trio_vllm.LLM`; use it only in the loop thread (:attr:`portal`)."""
+        """The async `LLM`; use it only in the loop thread (`portal`)."""
         if self._llm is None or self._client is None:
             raise RuntimeError("the SyncLLM is not open (use it as a context manager)")
         return self._llm
@@ -279,7 +279,7 @@ class SyncLLM:
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
     ) -> SyncRequestOutputStream:
         """Send a request and return a blocking iterator of its outputs (see
-        :meth:`LLM.generate <trio_vllm.LLM.generate>`)."""
+        `LLM.generate`)."""
         return self._open(self.llm.generate(prompt, params, request_id=request_id))
 
     def generate_final(
@@ -299,7 +299,7 @@ class SyncLLM:
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
     ) -> SyncRequestOutputStream:
-        """:meth:`LLM.chat <trio_vllm.LLM.chat>` as a blocking iterator."""
+        """`LLM.chat` as a blocking iterator."""
         return self._open(
             self.llm.chat(
                 messages,
@@ -321,7 +321,7 @@ class SyncLLM:
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
     ) -> RequestOutput:
-        """A reply to a conversation, final (as :meth:`generate_final`)."""
+        """A reply to a conversation, final (as `generate_final`)."""
         context = self.llm.chat(
             messages,
             _final_only(params),

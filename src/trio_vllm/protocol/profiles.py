@@ -1,10 +1,10 @@
-"""Per-release wire layouts (PROTOCOL.md §9) and the choice of one from a version string.
+"""Per-release wire layouts (docs/protocol.md §9) and the choice of one from a version string.
 
 vLLM's array-like structs are positional: a release that inserts a field in the middle
 (0.32.0 put ``ec_transfer_params`` at index 9 of EngineCoreOutput) shifts every later
-position, and a peer of another release misreads it. A :class:`ProtocolProfile` records,
+position, and a peer of another release misreads it. A `ProtocolProfile` records,
 for one release, the field names of every positional struct in wire order and the keys of
-the map-encoded ones. The structs in :mod:`.structs` hold the union of all fields; the
+the map-encoded ones. The structs in `structs` hold the union of all fields; the
 codec uses the profile to write exactly the release's arrays and to read them back.
 
 This module is the only place that knows how releases differ.
@@ -56,7 +56,7 @@ class ProtocolProfile:
 
     @property
     def version_tuple(self) -> tuple[int, int, int]:
-        """``(major, minor, patch)`` of :attr:`vllm_version`."""
+        """``(major, minor, patch)`` of `vllm_version`."""
         return _parse(self.vllm_version) or (0, 0, 0)
 
     def fields(self, struct: str) -> tuple[str, ...]:
@@ -363,7 +363,7 @@ def profile_for_version(vllm_version: str) -> ProtocolProfile:
       fields, which the decoder tolerates (extra trailing array elements and unknown map
       keys are ignored).
     * Anything else (an older or in-between release whose layout we have not verified,
-      or a string that is not a version) raises :class:`~trio_vllm.ProtocolError`:
+      or a string that is not a version) raises `ProtocolError`:
       guessing a positional layout silently corrupts every message.
     """
     if not isinstance(vllm_version, str):

@@ -1,12 +1,12 @@
 """The client's rules, sans-I/O: ranks, requests, utility calls, death, waves, routing.
 
-:class:`ClientSession` is what :class:`~trio_vllm.EngineCoreClient` decides, with the
+`ClientSession` is what `EngineCoreClient` decides, with the
 deciding separated from the doing, in h11's manner: the I/O shell feeds it what
 happened (a decoded output message, a send that found no peer, a process exit, a
 call or request the user started) and gets back a list of *actions* to carry out
-(:class:`Deliver` an output to a stream, :class:`QueueRaw` a batch for
-``get_output``, :class:`ResolveCall`, :class:`FailCall`, :class:`FailRequest`,
-:class:`EmitEvent`, :class:`SendWave`, :class:`RankDrained`, :class:`Died`). Nothing
+(`Deliver` an output to a stream, `QueueRaw` a batch for
+``get_output``, `ResolveCall`, `FailCall`, `FailRequest`,
+`EmitEvent`, `SendWave`, `RankDrained`, `Died`). Nothing
 here awaits, reads a socket or imports trio, anyio or zmq; the tests drive it message
 by message.
 
@@ -17,21 +17,21 @@ The rules it holds, each in one place:
   words from a RETIRED or LOST rank are dropped quietly, never a protocol error;
 * one request registry: each stream or raw request is counted into the load balancer
   once when started and out once (final output, abort, its rank's loss);
-* the utility-call table: reserved call ids (-1, -2; PROTOCOL.md §6.4) become engine
+* the utility-call table: reserved call ids (-1, -2; docs/protocol.md §6.4) become engine
   events and are never matched; calls pending on a rank that is retired or lost fail;
-* one frozen :class:`DeathRecord`: the first death wins, every waiter (streams,
+* one frozen `DeathRecord`: the first death wins, every waiter (streams,
   calls, a join in progress) fails with an error built from it, and
   ``on_engine_death`` ("fail" or "continue") decides whether one rank's loss is the
   client's death;
 * death noticed outside the output stream (a send that found no peer, a dropped
-  connection, a process exit) is only *noticed* first (:meth:`ClientSession.notice_rank`,
-  :meth:`ClientSession.notice_exit`): the shell drains the output socket and then calls
-  :meth:`ClientSession.declare_noticed`, so outputs that arrived before a death are
+  connection, a process exit) is only *noticed* first (`ClientSession.notice_rank`,
+  `ClientSession.notice_exit`): the shell drains the output socket and then calls
+  `ClientSession.declare_noticed`, so outputs that arrived before a death are
   delivered before its error, whichever path noticed it;
-* DP waves (:class:`~trio_vllm.protocol.routing.WaveTracker`) and raw interest: a batch
+* DP waves (`WaveTracker`) and raw interest: a batch
   with only stats or wave fields is queued for ``get_output`` only while someone uses
   the raw API (raw requests live, a ``get_output`` waiting, or one in the last
-  :data:`RAW_INTEREST_S` seconds).
+  `RAW_INTEREST_S` seconds).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ __all__ = [
     "SendWave",
 ]
 
-# Reserved engine-initiated call ids (PROTOCOL.md §6.4): never matched to calls.
+# Reserved engine-initiated call ids (docs/protocol.md §6.4): never matched to calls.
 RESERVED_CALL_IDS: Final = frozenset({-1, -2})
 # How long after the last get_output call stats-only batches are still queued when no
 # raw request is live: long enough for a consumer that handles each batch slowly, short
@@ -96,13 +96,13 @@ class RankState(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class EngineEvent:
     """Something an engine told the client unasked, or a rank's loss; see
-    :attr:`EngineCoreClient.engine_events`.
+    `EngineCoreClient.engine_events`.
 
     ``kind``: ``"elastic_ep"`` (call id -1: ``payload`` is ``[type, dp_rank]``, e.g.
     ``["RECONFIGURE_FINISHED", 2]``), ``"fault_tolerance"`` (call id -2: ``payload``
     is the status map), or ``"rank_lost"`` (``on_engine_death="continue"``: the rank
     died; ``payload`` is ``{"message": str, "requests": [ids failed]}``) and
-    ``"rank_retired"`` (:meth:`EngineCoreClient.retire_rank` finished).
+    ``"rank_retired"`` (`EngineCoreClient.retire_rank` finished).
     """
 
     kind: str
@@ -112,14 +112,14 @@ class EngineEvent:
 
 @dataclass(frozen=True, slots=True)
 class DeathRecord:
-    """Why something is gone; :meth:`error` builds the exception waiters raise."""
+    """Why something is gone; `error` builds the exception waiters raise."""
 
     message: str
     rank: int | None = None
     cause: BaseException | None = None
 
     def error(self) -> EngineDeadError:
-        """A fresh :class:`EngineDeadError` (one shared instance would collect tracebacks)."""
+        """A fresh `EngineDeadError` (one shared instance would collect tracebacks)."""
         error = EngineDeadError(self.message, rank=self.rank)
         error.__cause__ = self.cause
         return error
@@ -131,7 +131,7 @@ class DeathRecord:
 
 class Deliver(tuple[object, "EngineCoreOutput"]):
     """``(handle, output)``: hand ``output`` to the stream ``handle`` (the shell's
-    object, opaque here). The hot path, one per output: :meth:`ClientSession.receive`
+    object, opaque here). The hot path, one per output: `ClientSession.receive`
     appends plain 2-tuples of this shape (a tuple costs a tenth of an object), which
     the shell tells from the other actions by ``type(action) is tuple``; this class
     only names the shape (``Deliver(handle, output)`` builds one for tests)."""
@@ -257,7 +257,7 @@ class ClientSession:
     """The state of one client over its engines; see the module documentation.
 
     Methods that change state return the actions to carry out, in order. Methods that
-    refuse raise ``ValueError`` (a caller's mistake) or :class:`EngineDeadError` (no
+    refuse raise ``ValueError`` (a caller's mistake) or `EngineDeadError` (no
     engine to serve it) before changing anything.
     """
 
@@ -499,7 +499,7 @@ class ClientSession:
         self, rank: int | None, message: str, cause: BaseException | None = None
     ) -> DeathRecord:
         """A send found no peer for ``rank`` or its connection dropped. Nothing changes
-        until :meth:`declare_noticed` (after the shell drained the output socket).
+        until `declare_noticed` (after the shell drained the output socket).
         Returns the record the caller that noticed it raises now."""
         if self.death is not None:
             return self.death
@@ -554,7 +554,7 @@ class ClientSession:
 
     def choose_rank(self, pinned: int | None = None) -> int:
         """The one place that picks an engine: ``pinned``, else the least loaded live
-        rank. ``ValueError`` for an unknown or gone pinned rank, :class:`EngineDeadError`
+        rank. ``ValueError`` for an unknown or gone pinned rank, `EngineDeadError`
         when none is live."""
         self._check_alive()
         try:
@@ -564,11 +564,11 @@ class ClientSession:
 
     def check_new(self, request_id: str) -> None:
         """``ValueError`` if ``request_id`` is live on this client (a duplicate live id
-        would kill the engine, PROTOCOL.md §3.7)."""
+        would kill the engine, docs/protocol.md §3.7)."""
         if request_id in self._requests:
             raise ValueError(
                 f"request id {request_id!r} is already live on this client; a duplicate "
-                "live id would kill the engine (PROTOCOL.md §3.7)"
+                "live id would kill the engine (docs/protocol.md §3.7)"
             )
 
     def start_request(self, request_id: str, rank: int, handle: object | None = None) -> None:
@@ -608,7 +608,7 @@ class ClientSession:
         outputs.
 
         Refuses before changing anything: ``ValueError`` for an unknown or gone
-        ``rank`` (when it is needed), :class:`EngineDeadError` once dead.
+        ``rank`` (when it is needed), `EngineDeadError` once dead.
         """
         self._check_alive()
         ids = list(request_ids)
@@ -715,7 +715,7 @@ class ClientSession:
     def receive(self, outputs: EngineCoreOutputs | None) -> list[Action]:
         """Route one decoded output message (``None``: ENGINE_CORE_DEAD).
 
-        Raises :class:`ProtocolError` for an ``engine_index`` this client never knew
+        Raises `ProtocolError` for an ``engine_index`` this client never knew
         (the shell makes that the client's death).
         """
         if self.death is not None:

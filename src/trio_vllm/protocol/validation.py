@@ -2,8 +2,8 @@
 
 A stock engine decodes and validates an ADD in its input thread without an error
 handler: a value it rejects there ends that thread silently and the engine never reads
-another message (PROTOCOL.md §3.7). A few other mistakes (a pooling request without a
-supported task) kill the whole engine. :func:`validate_request` checks everything the
+another message (docs/protocol.md §3.7). A few other mistakes (a pooling request without a
+supported task) kill the whole engine. `validate_request` checks everything the
 wire alone lets us check, plus the engine limits the caller knows (from the ready
 response: ``max_model_len``, ``supports_lora``...), and raises ``ValueError`` naming the
 field and the rule.

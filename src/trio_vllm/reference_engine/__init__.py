@@ -2,12 +2,12 @@
 
 Run it as ``python -m trio_vllm.reference_engine --handshake-address ADDR --index N``
 (see ``--help`` and ``docs/reference-engine.md``). It speaks vLLM's ZeroMQ + msgpack
-engine-core protocol through :mod:`trio_vllm.protocol`, runs a tiny torch transformer
+engine-core protocol through `trio_vllm.protocol`, runs a tiny torch transformer
 (``--model tiny``) or the exactly predictable echo model (``--model echo``), and injects
 faults on demand.
 
 Importing this package imports neither torch nor zmq; the constants below are what a
-client needs to talk to its models. :data:`MODEL_DIR` is the path of a model directory
+client needs to talk to its models. `MODEL_DIR` is the path of a model directory
 for the engine's vocabulary (a byte-level ``tokenizer.json``, a ChatML-like chat template,
 EOS 257), so a text frontend works out of the box: ``open_llm(ReferenceEngines(),
 model=MODEL_DIR)``. ``--model-dir DIR`` makes the engine take its vocabulary size from

@@ -1,7 +1,7 @@
 """The reference engine's models: ``echo`` (exactly predictable) and ``tiny`` (a real transformer).
 
 Both share one byte-level vocabulary: ids 0-255 are bytes, then four specials
-(:data:`BOS_TOKEN_ID`, :data:`EOS_TOKEN_ID`, :data:`PAD_TOKEN_ID`, :data:`UNK_TOKEN_ID`).
+(`BOS_TOKEN_ID`, `EOS_TOKEN_ID`, `PAD_TOKEN_ID`, `UNK_TOKEN_ID`).
 Both return next-token logits for a batch of sequences as a float32 NumPy array, so the
 sampler (``_sampler.py``) is the same for both.
 

@@ -7,7 +7,7 @@ that step's outputs, and blocks in ``poll`` only when there is nothing to do (or
 the next delayed output is due). Everything on the wire goes through ``_wire.py`` (the
 protocol layer).
 
-Failure behaviour is vLLM's (PROTOCOL.md §3.7, §5.6, §8): an undecodable input message
+Failure behaviour is vLLM's (docs/protocol.md §3.7, §5.6, §8): an undecodable input message
 "kills the input thread" (input is never read again, nothing is sent), a bad
 ``client_index`` "kills the output thread" (nothing is ever sent again), a fatal error
 sends ``ENGINE_CORE_DEAD`` to every client and exits with status 1, SIGTERM/SIGINT finish
@@ -843,7 +843,7 @@ class EngineServer:
                 self._reply(client_index, call_id, None, value)
         self.pending_utilities = still
 
-    # ---- DP waves (MoE ranks, PROTOCOL.md §7.4) --------------------------------------------------
+    # ---- DP waves (MoE ranks, docs/protocol.md §7.4) ---------------------------------------------
 
     def _wave_target(self) -> int:
         return -1 if self.coord_out is not None else 0

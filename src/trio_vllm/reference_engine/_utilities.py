@@ -1,9 +1,9 @@
-"""The utility methods of PROTOCOL.md §6.3, with vLLM's semantics.
+"""The utility methods of docs/protocol.md §6.3, with vLLM's semantics.
 
-The engine loop looks a method up by name on :class:`Utilities`, calls it with the
+The engine loop looks a method up by name on `Utilities`, calls it with the
 positional arguments from the wire and replies with the result, or with
 ``"Call to <method> method failed: <text>"`` when it raises. A method that must wait for
-the engine to drain (``sleep``, ``pause_scheduler``) returns a :class:`Deferred`; the loop
+the engine to drain (``sleep``, ``pause_scheduler``) returns a `Deferred`; the loop
 replies once its condition holds, and keeps serving other input meanwhile, so replies
 can come out of order, as in vLLM.
 """
@@ -96,7 +96,7 @@ class Utilities:
     # ---- dispatch ------------------------------------------------------------------
 
     def lookup(self, method: str) -> Callable[..., Any]:
-        """The bound method for ``method`` or :class:`UtilityError` as vLLM words it."""
+        """The bound method for ``method`` or `UtilityError` as vLLM words it."""
         profile = self._server.profile_name
         unavailable = {
             "0.25.1": {
@@ -165,7 +165,7 @@ class Utilities:
 
         return Deferred(self._idle, finish)
 
-    # ---- methods of PROTOCOL.md §6.3 ---------------------------------------------------
+    # ---- methods of docs/protocol.md §6.3 ---------------------------------------------------
 
     def get_supported_tasks(self) -> list[str]:
         return list(self._server.options.supported_tasks)

@@ -1,7 +1,7 @@
-"""The engine's only door to the wire: a thin adapter over :mod:`trio_vllm.protocol`.
+"""The engine's only door to the wire: a thin adapter over `trio_vllm.protocol`.
 
 Every byte the engine sends or reads is produced or parsed by the protocol layer's
-:class:`~trio_vllm.protocol.codec.EngineCodec` and its startup-message functions, for the
+`EngineCodec` and its startup-message functions, for the
 profile chosen with ``--protocol``. This module only maps the scheduler's plain records
 onto the protocol structs.
 """
@@ -89,7 +89,7 @@ class Wire:
     def decode_input(self, frames: list[Any]) -> tuple[str, Any]:
         """``("add", EngineCoreRequest)``, ``("abort", [ids])``,
         ``("utility", (client_index, call_id, method, args))`` or
-        ``("start_dp_wave", (wave, exclude))``; :class:`WireError` otherwise."""
+        ``("start_dp_wave", (wave, exclude))``; `WireError` otherwise."""
         try:
             msg = self.codec.decode_input(frames)
         except ProtocolError as exc:

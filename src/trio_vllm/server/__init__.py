@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server (``trio-vllm serve``): vLLM's API on trio or asyncio.
 
-:class:`OpenAIServer` is a plain ASGI app over a text frontend (``trio_vllm.llm``);
-:func:`serve_app` serves any ASGI app with hypercorn (trio worker under trio, asyncio
-worker under asyncio); :func:`run_openai_server` is the whole command: engines, frontend,
+`OpenAIServer` is a plain ASGI app over a text frontend (``trio_vllm.llm``);
+`serve_app` serves any ASGI app with hypercorn (trio worker under trio, asyncio
+worker under asyncio); `run_openai_server` is the whole command: engines, frontend,
 app, signals and the engine-death policy. hypercorn and prometheus_client are imported
 only when an app is built or served.
 """

@@ -1,6 +1,6 @@
 """The ASGI application: routing, auth, body limits, request lifetimes, health, metrics.
 
-One :class:`OpenAIServer` serves one text frontend. Every generation request runs in a
+One `OpenAIServer` serves one text frontend. Every generation request runs in a
 task group of its own: the request's body task and a watcher that waits for the
 client's ``http.disconnect``; a disconnect cancels the group, and leaving the
 frontend's ``generate`` block aborts the request on the engine at once. Nothing here
@@ -109,7 +109,7 @@ class OpenAIServer:
         system_fingerprint: stamped on responses where vLLM stamps its own.
 
     The app is safe to call concurrently from any number of connections; on trio and
-    on asyncio. :meth:`mark_dead` (the runner calls it when the engines die) turns
+    on asyncio. `mark_dead` (the runner calls it when the engines die) turns
     ``/health`` to 503 and every new generation request into a 503 error.
     """
 

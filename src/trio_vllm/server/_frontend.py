@@ -36,8 +36,8 @@ class EngineClientLike(Protocol):
 
 
 class TextFrontend(Protocol):
-    """The frontend: ``generate`` yields DELTA :class:`RequestOutput` objects; leaving
-    its block aborts the request; engine death raises :class:`EngineDeadError`."""
+    """The frontend: ``generate`` yields DELTA `RequestOutput` objects; leaving
+    its block aborts the request; engine death raises `EngineDeadError`."""
 
     @property
     def tokenizer(self) -> TokenizerLike: ...

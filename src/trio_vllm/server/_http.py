@@ -76,10 +76,10 @@ def header(scope: Scope, name: bytes) -> bytes | None:
 
 
 async def read_body(scope: Scope, receive: ASGIReceive, limit: int) -> bytes:
-    """The whole request body; :class:`HTTPError` 413 once it passes ``limit`` bytes.
+    """The whole request body; `HTTPError` 413 once it passes ``limit`` bytes.
 
     A ``Content-Length`` over the limit is refused before reading anything.
-    Raises :class:`ClientDisconnected` if the client leaves first.
+    Raises `ClientDisconnected` if the client leaves first.
     """
     length = header(scope, b"content-length")
     if length is not None:

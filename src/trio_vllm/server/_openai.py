@@ -1,10 +1,10 @@
 """The OpenAI endpoints' rules, without I/O: request -> plan, outputs -> response bytes.
 
-:func:`plan_completion` and :func:`plan_chat` check a decoded request the way vLLM's
+`plan_completion` and `plan_chat` check a decoded request the way vLLM's
 ``OpenAIServingCompletion``/``OpenAIServingChat`` do (same status codes, same messages
 where vLLM words them) and turn it into token prompts and ``SamplingParams``.
-:class:`CompletionResponder` and :class:`ChatResponder` turn the frontend's DELTA
-:class:`RequestOutput` objects into SSE events, or into the final JSON body, with vLLM's
+`CompletionResponder` and `ChatResponder` turn the frontend's DELTA
+`RequestOutput` objects into SSE events, or into the final JSON body, with vLLM's
 field names and chunking: one event per completion per output, a role chunk first for
 chat, a usage chunk last when ``stream_options.include_usage``, then ``data: [DONE]``.
 """
@@ -272,7 +272,7 @@ def plan_completion(
     header_request_id: str | None,
     extra: Mapping[str, object],
 ) -> GenerationPlan:
-    """Check a completion request and tokenize its prompt(s); :class:`HTTPError` if bad."""
+    """Check a completion request and tokenize its prompt(s); `HTTPError` if bad."""
     _common_checks(req, req.n, extra)
     if req.logprobs is not None and req.logprobs < 0 and req.logprobs != -1:
         raise HTTPError("`logprobs` must be a positive value or -1.", param="logprobs")
@@ -366,7 +366,7 @@ def plan_chat(
     header_request_id: str | None,
     extra: Mapping[str, object],
 ) -> GenerationPlan:
-    """Check a chat request and render its messages; :class:`HTTPError` if bad."""
+    """Check a chat request and render its messages; `HTTPError` if bad."""
     n = 1 if req.n is None else req.n
     _common_checks(req, n, extra)
     top = 0 if req.top_logprobs is None else req.top_logprobs
@@ -593,7 +593,7 @@ class _Responder:
 
 
 class CompletionResponder(_Responder):
-    """``/v1/completions`` responses: feed :meth:`on_output`, then take :meth:`finish`."""
+    """``/v1/completions`` responses: feed `on_output`, then take `finish`."""
 
     def __init__(self, plan: GenerationPlan, tokenizer: TokenizerLike, fingerprint: str | None):
         super().__init__(plan, tokenizer, fingerprint)
@@ -724,7 +724,7 @@ class CompletionResponder(_Responder):
 
 
 class ChatResponder(_Responder):
-    """``/v1/chat/completions`` responses: feed :meth:`on_output`, then :meth:`finish`."""
+    """``/v1/chat/completions`` responses: feed `on_output`, then `finish`."""
 
     def __init__(self, plan: GenerationPlan, tokenizer: TokenizerLike, fingerprint: str | None):
         super().__init__(plan, tokenizer, fingerprint)

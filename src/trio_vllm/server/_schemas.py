@@ -8,7 +8,7 @@ field typed ``... | UnsetType = UNSET`` is left out of the JSON the same way.
 
 Request structs list the fields trio-vllm honours; every other key is ignored (and
 logged) by the decoder, as vLLM's ``extra="allow"`` models do. Fields that would change
-the result but are not implemented are listed in :data:`UNSUPPORTED_FIELDS` and answered
+the result but are not implemented are listed in `UNSUPPORTED_FIELDS` and answered
 with HTTP 400 when set.
 """
 

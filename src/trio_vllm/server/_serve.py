@@ -1,8 +1,8 @@
 """Serving the app: hypercorn on trio (or asyncio), and the whole ``trio-vllm serve`` run.
 
-:func:`serve_app` binds the listening socket itself (so port 0 works and the bound port
+`serve_app` binds the listening socket itself (so port 0 works and the bound port
 is reported through ``task_status`` on both backends) and hands it to hypercorn's trio
-worker, or to its asyncio worker when running under asyncio. :func:`run_openai_server`
+worker, or to its asyncio worker when running under asyncio. `run_openai_server`
 is the command's body: engines + text frontend + app + signals + death policy.
 """
 

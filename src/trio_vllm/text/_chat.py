@@ -62,7 +62,7 @@ def _text_of_parts(role: str, parts: Sequence[object]) -> str:
 def normalize_messages(messages: Sequence[ChatMessage]) -> list[dict[str, object]]:
     """vLLM's conversation for a text-only model (see the module docstring).
 
-    Raises :class:`~trio_vllm.InvalidRequestError` for a malformed message.
+    Raises `InvalidRequestError` for a malformed message.
     """
     given: object = messages  # callers from JSON may pass anything
     if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
@@ -169,7 +169,7 @@ def render_chat_template(
     ``continue_final_message`` (also accepted in ``chat_template_kwargs``, as vLLM passes
     it) ends the text inside the last message instead of closing it, so generation
     continues that message (transformers' rule; not with ``add_generation_prompt``).
-    Raises :class:`~trio_vllm.InvalidRequestError` when there is no template, a message is
+    Raises `InvalidRequestError` when there is no template, a message is
     malformed, or the template raises (``raise_exception``: its message is kept).
     """
     import jinja2

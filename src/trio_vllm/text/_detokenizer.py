@@ -1,15 +1,15 @@
 """Incremental detokenization and stop strings, as vLLM 0.32.0's ``v1/engine/detokenizer.py``.
 
-One detokenizer per request (per child of an ``n > 1`` request). :meth:`update` takes the
+One detokenizer per request (per child of an ``n > 1`` request). `update` takes the
 token ids of one engine output, appends their text and checks the stop strings;
-:meth:`get_next_output_text` hands out text for DELTA or CUMULATIVE outputs, holding back
+`get_next_output_text` hands out text for DELTA or CUMULATIVE outputs, holding back
 the last ``max(len(stop)) - 1`` characters while streaming (a stop string may still
 complete there and must then not have been shown).
 
-* :class:`FastIncrementalDetokenizer`: ``tokenizers``' ``DecodeStream`` primed with the
+* `FastIncrementalDetokenizer`: ``tokenizers``' ``DecodeStream`` primed with the
   whole prompt (it looks at the prompt's tail only), reset on "Invalid prefix encountered"
   as vLLM does (vllm#17448).
-* :class:`SlowIncrementalDetokenizer`: vLLM's ``detokenize_incrementally`` (prefix/read
+* `SlowIncrementalDetokenizer`: vLLM's ``detokenize_incrementally`` (prefix/read
   offsets over vocabulary pieces), for tokenizers that DecodeStream does not serve
   (the ``transformers`` fallback, or a ``tokenizers`` release without DecodeStream).
 
@@ -46,7 +46,7 @@ class IncrementalDetokenizer:
     """Token ids in, text out, for one completion; the no-detokenize base.
 
     This base keeps token ids only (``detokenize=False``: text stays ``""``).
-    :meth:`for_request` picks the right subclass. Not thread-safe; never does I/O.
+    `for_request` picks the right subclass. Not thread-safe; never does I/O.
     """
 
     def __init__(self) -> None:
@@ -161,7 +161,7 @@ class _TextDetokenizer(IncrementalDetokenizer):
     def _check_stop(
         self, token_offsets: list[int], num_prev_tokens: int, first_new_token_index: int
     ) -> str | None:
-        """The stop-string step of :meth:`update` (past ``min_tokens``)."""
+        """The stop-string step of `update` (past ``min_tokens``)."""
         text = self._text
         # Only text from tokens past min_tokens may hold a stop string (vllm#22014).
         stop_check_offset = token_offsets[max(self.min_tokens - num_prev_tokens, 0)]

@@ -1,12 +1,12 @@
 """Prompts and sampling params to engine requests, as vLLM 0.32.0's ``InputProcessor`` and
 ``AsyncLLM.add_request`` do (tokenize, validate, fill the frontend duties, fan out ``n``).
 
-:meth:`InputProcessor.process_inputs` returns a :class:`ProcessedRequest`: the
+`InputProcessor.process_inputs` returns a `ProcessedRequest`: the
 ``EngineCoreRequest`` s to send (one, or ``n`` children) and what the output processor
 needs to track them. Nothing is sent and nothing is registered: register with
-:meth:`ProcessedRequest.register` and send in one step that cannot be cancelled between
+`ProcessedRequest.register` and send in one step that cannot be cancelled between
 the two (the async frontend's job). Every refusal is an
-:class:`~trio_vllm.InvalidRequestError` raised before anything exists.
+`InvalidRequestError` raised before anything exists.
 """
 
 from __future__ import annotations
@@ -381,7 +381,7 @@ class InputProcessor:
         cache_salt: str | None = None,
         trace_headers: Mapping[str, str] | None = None,
     ) -> ProcessedRequest:
-        """:meth:`process_inputs` for a conversation rendered with the chat template."""
+        """`process_inputs` for a conversation rendered with the chat template."""
         _check_request_id(request_id)
         text, ids = self.render_chat(
             messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,

@@ -1,12 +1,12 @@
 """Engine outputs to request outputs, as vLLM 0.32.0's ``OutputProcessor`` and ``ParentRequest``.
 
-Feed :meth:`OutputProcessor.process_outputs` the ``EngineCoreOutput`` s of the requests you
-added; it returns the :class:`~trio_vllm.text.RequestOutput` s to hand to their callers and
+Feed `OutputProcessor.process_outputs` the ``EngineCoreOutput`` s of the requests you
+added; it returns the `RequestOutput` s to hand to their callers and
 the internal ids of requests the engine must ABORT (a stop string matched: the engine does
 not know stop strings, so it would keep generating). Sending that ABORT is the caller's
 job; this module does no I/O.
 
-``n > 1`` is vLLM's parallel sampling: a :class:`ParentRequest` makes ``n`` child requests
+``n > 1`` is vLLM's parallel sampling: a `ParentRequest` makes ``n`` child requests
 ``"{index}_{parent_id}"`` (with ``seed + index`` when a seed is set); the children's outputs
 are gathered under the parent's external id. FINAL_ONLY waits for every child and returns
 all ``n`` completions at once, in index order.
@@ -205,8 +205,8 @@ class OutputProcessorOutput:
 class OutputProcessor:
     """Turns engine outputs into request outputs (vLLM's ``OutputProcessor``), sans-I/O.
 
-    Add each engine request with :meth:`add_request` before its outputs arrive (for
-    ``n > 1``, each child with its :class:`ParentRequest` and index). Not thread-safe.
+    Add each engine request with `add_request` before its outputs arrive (for
+    ``n > 1``, each child with its `ParentRequest` and index). Not thread-safe.
     """
 
     def __init__(self, tokenizer: Tokenizer | None) -> None:

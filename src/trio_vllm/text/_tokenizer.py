@@ -113,7 +113,7 @@ class ModelFiles:
 
     ``config``, ``tokenizer_config`` and ``generation_config`` are the parsed files (an
     empty dict when a file is missing). Construction reads files; nothing else does I/O
-    except :meth:`load_tokenizer`.
+    except `load_tokenizer`.
     """
 
     def __init__(self, model: str | os.PathLike[str]) -> None:
@@ -169,14 +169,14 @@ class ModelFiles:
         return out
 
     def load_tokenizer(self) -> Tokenizer:
-        """The directory's tokenizer (see :class:`Tokenizer`)."""
+        """The directory's tokenizer (see `Tokenizer`)."""
         return Tokenizer.from_model_files(self)
 
 
 class Tokenizer:
     """A tokenizer with the surface vLLM's frontend uses (encode, decode, special tokens).
 
-    Backed by a ``tokenizers.Tokenizer`` (``is_fast``; then :attr:`backend` is it and the
+    Backed by a ``tokenizers.Tokenizer`` (``is_fast``; then `backend` is it and the
     detokenizer uses ``DecodeStream``) or, for directories without ``tokenizer.json``, by a
     ``transformers`` tokenizer (the slow detokenization path). Methods never do I/O.
     """
@@ -247,7 +247,7 @@ class Tokenizer:
 
     @classmethod
     def from_model_files(cls, files: ModelFiles) -> Tokenizer:
-        """Load the tokenizer of a :class:`ModelFiles` (``tokenizer.json`` preferred)."""
+        """Load the tokenizer of a `ModelFiles` (``tokenizer.json`` preferred)."""
         cfg = files.tokenizer_config
         chat_template = _chat_template(files)
         path = files.path / "tokenizer.json"
