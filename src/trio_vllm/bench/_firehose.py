@@ -302,9 +302,7 @@ def _run_cases(
             # At least 32 outputs per stream, so the run measures streaming, not ADDs.
             per_stream = max(32, total // n)
             key = f"{'d' if backend == 'trio' else 'f'}{n}"
-            cases[key] = anyio.run(
-                run_streams, batch, n, per_stream, backlog, p, backend=backend
-            )
+            cases[key] = anyio.run(run_streams, batch, n, per_stream, backlog, p, backend=backend)
             cases[key]["consumers"] = n
             note(key)
     errors: dict[str, str] = {}

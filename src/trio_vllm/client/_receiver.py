@@ -36,6 +36,11 @@ __all__ = ["Receiver"]
 # quiet this long, at most _EXIT_DRAIN_S, then declare it (inside the 100 ms promise).
 _EXIT_QUIET_S: Final = 0.004
 _EXIT_DRAIN_S: Final = 0.03
+# A receive batch ends after this many bytes of frames (the transport's default is 256
+# KiB). Everything of a batch is decoded before any consumer runs, so a large batch of
+# large messages keeps megabytes of fresh objects alive: the decode then writes cold
+# memory and the collector runs over them (bench firehose, 64 outputs per message).
+_BATCH_BYTES: Final = 256 * 1024
 
 logger = logging.getLogger("trio_vllm.client")
 
@@ -83,18 +88,22 @@ class Receiver:
         self._receiving = True
         try:
             while not session.dead:
-                batch: list[list[bytes | zmq.Frame]] = []
+                # One cancel scope per wake-up, not per batch: entering and leaving a
+                # scope costs more than a short wait (the transport notes the same).
+                # Only wake() cancels it, and only the await in receive_batch sees
+                # that: a cancelled receive dequeued nothing (transport contract), and
+                # the batch handling below is synchronous.
                 with anyio.CancelScope() as scope:
                     self._scope = scope
                     if session.noticed:
                         scope.cancel()
-                    # Cancelled while waiting: nothing was dequeued (transport contract).
-                    batch = await socket.receive_batch()
+                    while not session.noticed:
+                        batch = await socket.receive_batch(max_bytes=_BATCH_BYTES)
+                        for frames in batch:
+                            self.handle_frames(frames)
+                            if session.dead:
+                                return
                 self._scope = None
-                for frames in batch:
-                    self.handle_frames(frames)
-                    if self._session.dead:
-                        return
                 if session.noticed:
                     await self.drain_after_exit(socket)
                     self._apply(session.declare_noticed())
