@@ -101,7 +101,7 @@ class Receiver:
                         batch = await socket.receive_batch(max_bytes=_BATCH_BYTES)
                         for frames in batch:
                             self.handle_frames(frames)
-                            if session.dead:
+                            if self._session.dead:  # (mypy narrows session.dead)
                                 return
                 self._scope = None
                 if session.noticed:
