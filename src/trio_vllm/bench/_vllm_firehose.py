@@ -68,6 +68,8 @@ async def _run(args: argparse.Namespace, config: Any) -> dict[str, Any]:
         client_addresses={"input_address": args.input, "output_address": args.output},
     )
     ready_s = time.perf_counter() - begin
+    # As vLLM's API server does once started (the bench does the same for trio-vllm).
+    importlib.import_module("vllm.utils.gc_utils").freeze_gc_heap()
     try:
         requests = [
             engine_core_request(

@@ -37,10 +37,11 @@ __all__ = ["Receiver"]
 _EXIT_QUIET_S: Final = 0.004
 _EXIT_DRAIN_S: Final = 0.03
 # A receive batch ends after this many bytes of frames (the transport's default is 256
-# KiB). Everything of a batch is decoded before any consumer runs, so a large batch of
-# large messages keeps megabytes of fresh objects alive: the decode then writes cold
-# memory and the collector runs over them (bench firehose, 64 outputs per message).
-_BATCH_BYTES: Final = 256 * 1024
+# KiB): an adaptive batch, up to 256 small messages but ~8 of 64 outputs each. Everything
+# of a batch is decoded before any consumer runs, so a large batch of large messages
+# keeps megabytes of fresh objects alive: the decode then writes cold memory and the
+# collector runs over them (bench firehose, 64 outputs per message).
+_BATCH_BYTES: Final = 32 * 1024
 
 logger = logging.getLogger("trio_vllm.client")
 
