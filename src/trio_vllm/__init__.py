@@ -64,6 +64,11 @@ if TYPE_CHECKING:
     from .client import open_client as open_client
     from .client import prepare_sampling_params as prepare_sampling_params
     from .inproc import InprocEngine as InprocEngine
+    from .llm import LLM as LLM
+    from .llm import RequestOutputStream as RequestOutputStream
+    from .llm import SyncLLM as SyncLLM
+    from .llm import SyncRequestOutputStream as SyncRequestOutputStream
+    from .llm import open_llm as open_llm
     from .sync import SyncClient as SyncClient
     from .sync import SyncEngineEvents as SyncEngineEvents
     from .sync import SyncRequestStream as SyncRequestStream
@@ -93,6 +98,11 @@ _LAZY: dict[str, str] = {
     "SyncClient": ".sync",
     "SyncEngineEvents": ".sync",
     "SyncRequestStream": ".sync",
+    "LLM": ".llm",
+    "RequestOutputStream": ".llm",
+    "SyncLLM": ".llm",
+    "SyncRequestOutputStream": ".llm",
+    "open_llm": ".llm",
     "CompletionOutput": ".text",
     "Logprob": ".text",
     "ModelFiles": ".text",
@@ -102,7 +112,7 @@ _LAZY: dict[str, str] = {
     "TokensPrompt": ".text",
 }
 
-_LAZY_SUBMODULES = frozenset({"client", "sync", "text", "transport"})
+_LAZY_SUBMODULES = frozenset({"client", "llm", "sync", "text", "transport"})
 
 __all__ = [
     "ENGINE_CORE_DEAD",

@@ -15,7 +15,9 @@ engine output pays one ``isEnabledFor`` check per line.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import queue
 import re
 import threading
@@ -51,6 +53,11 @@ class _Forwarder:
     """The queue and the thread that hands engine lines to their loggers."""
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        # Also in a forked child: the thread is not there, and the locks may have been
+        # held by it at the fork.
         self._queue: queue.Queue[tuple[logging.Logger, int, str, int]] = queue.Queue(_QUEUE_LINES)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -88,6 +95,9 @@ class _Forwarder:
                 )
                 thread.start()
                 self._thread = thread
+                # Before logging's own shutdown (atexit runs last-registered first):
+                # what the engines wrote last reaches the handlers.
+                atexit.register(self.flush, 1.0)
 
     def _run(self) -> None:
         while True:
@@ -114,6 +124,8 @@ class _Forwarder:
 
 
 _forwarder = _Forwarder()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forwarder._reset)
 
 
 def forward_engine_line(log: logging.Logger, line: str, pid: int) -> None:

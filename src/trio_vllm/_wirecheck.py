@@ -133,7 +133,7 @@ def _compare_values(expected: list[Any], actual: list[Any], path: str) -> None:
 
 
 def compare_value(expected: Any, actual: Any, path: str = "$") -> None:
-    """Raise :class:`Mismatch` unless ``actual`` (decoded) matches the vector ``expected``."""
+    """Raise `Mismatch` unless ``actual`` (decoded) matches the vector ``expected``."""
     if isinstance(expected, dict) and len(expected) == 1:
         (key,) = expected
         if key == "__tensor__" or key == "__ndarray__":
@@ -260,7 +260,7 @@ def _lora(value: dict[str, Any]) -> LoRARequest:
 
 
 def build_request(value: dict[str, Any]) -> EngineCoreRequest:
-    """An :class:`EngineCoreRequest` from a vector's ``value`` (field-name keyed)."""
+    """An `EngineCoreRequest` from a vector's ``value`` (field-name keyed)."""
     d = dict(value)
     if d.get("sampling_params") is not None:
         d["sampling_params"] = _sampling(d["sampling_params"])
@@ -384,7 +384,7 @@ def _check_handshake(frames: list[bytes], value: Any) -> None:
 
 
 def check_vector(vector: dict[str, Any]) -> None:
-    """Check one parsed vector; raises :class:`Mismatch` (or another error) on failure."""
+    """Check one parsed vector; raises `Mismatch` (or another error) on failure."""
     profile = profile_for_version(str(vector["vllm_version"]))
     frames = [base64.b64decode(f) for f in vector["frames_b64"]]
     value = vector["value"]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from ._bpe import write_bpe_model_dir
+
 CLI = [sys.executable, "-m", "trio_vllm.cli", "generate"]
 LONG = "--max-model-len 1000000 --num-gpu-blocks 1000000"
 
@@ -64,26 +66,95 @@ def test_utf8_text_round_trips_byte_level() -> None:
     assert result.stdout == "héllohéllo\n"  # 12 bytes: é is two
 
 
-def test_json_token_ids_one_line_per_request_and_quiet() -> None:
+def test_json_one_line_per_request_in_prompt_order_and_quiet() -> None:
     result = run(
-        "--prompt-token-ids", "1,5,7,9", "--prompt-token-ids", "3,4", "--max-tokens", "8", "--json"
-    )
+        "--prompt-token-ids", "104,105", "abcdefgh", "--prompt-token-ids", "120,121",
+        "--max-tokens", "8", "--json", "--quiet",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     lines = [json.loads(line) for line in result.stdout.splitlines()]
-    assert len(lines) == 2
-    by_tokens = sorted(lines, key=lambda line: line["token_ids"])
-    assert by_tokens[0]["token_ids"] == [1, 5, 7, 9, 1, 5, 7, 9]
-    assert by_tokens[1]["token_ids"] == [3, 4, 3, 4, 3, 4, 3, 4]
-    assert all(set(line) == {"request_id", "token_ids", "finish_reason"} for line in lines)
+    keys = {"prompt_index", "index", "request_id", "text", "token_ids", "finish_reason",
+            "stop_reason"}  # fmt: skip
+    assert all(set(line) == keys for line in lines)
+    # Text prompts first, then --prompt-token-ids, each in the order given.
+    assert [line["prompt_index"] for line in lines] == [0, 1, 2]
+    assert [line["text"] for line in lines] == ["abcdefgh", "hihihihi", "xyxyxyxy"]
+    assert lines[1]["token_ids"] == [104, 105] * 4
+    assert all(line["index"] == 0 for line in lines)
     assert all(line["finish_reason"] == "length" for line in lines)
-    assert lines[0]["request_id"] != lines[1]["request_id"]
+    assert all(line["stop_reason"] is None for line in lines)
+    assert len({line["request_id"] for line in lines}) == 3
 
 
-def test_token_prompt_prints_ids_and_seeded_sampling_is_reproducible() -> None:
-    result = run("--prompt-token-ids", "1,5,7", "--max-tokens", "5")
+def test_json_keeps_the_progress_on_stderr() -> None:
+    result = run("hi", "--max-tokens", "2", "--json")
     assert result.returncode == 0, result.stderr
-    assert result.stdout == "1 5 7 1 5\n"
+    assert "1/1 ready" in result.stderr
+    assert json.loads(result.stdout)["text"] == "hi"
+
+
+def test_stop_strings_n_min_tokens_and_logprobs() -> None:
+    result = run(
+        "abcabc", "--max-tokens", "30", "--stop", "ca", "--stop", "zz", "--min-tokens", "4",
+        "--n", "2", "--temperature", "1", "--seed", "3", "--logprobs", "2", "--json", "-q",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(line["prompt_index"], line["index"]) for line in lines] == [(0, 0), (0, 1)]
+    for line in lines:
+        # "ca" completes at token 4 ("abca") but min_tokens=4 lets the check start only
+        # after token 4: the next match ends at token 7.
+        assert line["text"] == "abcab"
+        assert (line["finish_reason"], line["stop_reason"]) == ("stop", "ca")
+        assert len(line["logprobs"]) == len(line["token_ids"]) == 7
+        top = line["logprobs"][0][0]
+        assert top["token_id"] == ord("a")
+        assert top["decoded_token"] == "a"
+        assert top["rank"] == 1
+    kept = run("abcabc", "--stop", "ca", "--include-stop-str-in-output", "--json", "-q")
+    assert json.loads(kept.stdout)["text"] == "abca"
+
+
+def test_chat_with_system_message() -> None:
+    result = run("--chat", "--system", "be brief", "hi", "--max-tokens", "40", "--json", "-q")
+    assert result.returncode == 0, result.stderr
+    text = json.loads(result.stdout)["text"]
+    prompt = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+    assert text == prompt[:40]  # the echo model repeats the rendered conversation
+
+
+def test_model_dir_bpe_tokenizer_eos_ids_and_chat(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    model = write_bpe_model_dir(tmp_path / "bpe")
+    tok = Tokenizer.from_file(f"{model}/tokenizer.json")
+    prompt = "hello world 日本🎉"
+    ids = tok.encode(prompt).ids
+    assert ids[0] == 1  # BOS, from the post-processor
+    assert len(ids) < len(prompt.encode())  # merges: not byte-level
+    result = run("--model", model, prompt, "--max-tokens", "25", "--json", "-q")
+    assert result.returncode == 0, result.stderr
+    line = json.loads(result.stdout)
+    expected = [ids[k % len(ids)] for k in range(25)]
+    assert line["token_ids"] == expected
+    # BOS skipped; the last tokens end inside 日: streaming shows no half character
+    # (a one-shot decode shows U+FFFD there).
+    assert tok.decode(expected).endswith("\ufffd")
+    assert line["text"] == tok.decode(expected).rstrip("\ufffd")
+    # The chat template's <|im_end|> is EOS id 4 of generation_config.json: it stops there.
+    chat = run("--model", model, "--chat", "hello", "--max-tokens", "40", "--json", "-q")
+    assert chat.returncode == 0, chat.stderr
+    line = json.loads(chat.stdout)
+    assert line["text"] == "user\nhello"
+    assert (line["finish_reason"], line["stop_reason"]) == ("stop", 4)
+    assert line["token_ids"][-1] == 4
+
+
+def test_token_prompt_and_seeded_sampling_is_reproducible() -> None:
+    result = run("--prompt-token-ids", "104,105,33", "--max-tokens", "5")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "hi!hi\n"
     # Two requests with the same seed sample the same tokens (unseeded ones would not).
     seeded = run(
         "--model",
@@ -118,12 +189,96 @@ def test_token_prompt_prints_ids_and_seeded_sampling_is_reproducible() -> None:
         (("hi", "--connect", "127.0.0.1:5"), "tcp://HOST:PORT"),
         (("hi", "--max-tokens", "0"), "at least 1"),
         (("hi", "--model", "gpt"), "echo and tiny"),
+        (("hi", "--top-p", "2"), "--top-p must be in (0, 1]"),
+        (("hi", "--temperature", "1", "--top-p", "0"), "--top-p must be in (0, 1]"),
+        (("hi", "--n", "0"), "--n must be at least 1"),
+        (("hi", "--n", "2"), "n must be 1 when using greedy sampling"),
+        (("hi", "--min-tokens", "20"), "min_tokens must be less than or equal to max_tokens"),
+        (("hi", "--logprobs", "1000"), "logprobs"),
+        (("hi", "--stop", ""), "stop cannot contain an empty string"),
+        (("--prompt-token-ids", "300,2"), "Token id 300 is out of vocabulary"),
+        (("--chat", "--prompt-token-ids", "1,2"), "--chat takes text prompts"),
+        (("hi", "--system", "x"), "--system goes with --chat"),
+        (("hi", "--engine", "vllm", "--model", "/nonexistent", "--vllm-python", "py"),
+         "cannot load the tokenizer"),
     ],
 )
 def test_usage_errors_exit_2(args: tuple[str, ...], message: str) -> None:
+    """Every bad value is refused before any engine starts (a stock engine takes a
+    minute to load): no progress line was printed."""
     result = run(*args)
-    assert result.returncode == 2
+    assert result.returncode == 2, result.stderr
     assert message in result.stderr
+    assert "connected" not in result.stderr
+
+
+def test_a_request_ending_in_error_exits_1_with_the_reason(tmp_path: Path) -> None:
+    # The engine's vocabulary (100 ids) is smaller than the tokenizer's: it refuses "hi".
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 100}))
+    result = run("hi", "ok", "--engine-args", f"--model-dir {tmp_path}", "--json", "-q")
+    assert result.returncode == 1, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [line["finish_reason"] for line in lines] == ["error", "error"]
+    assert "(prompt 0, completion 0) ended in error" in result.stderr
+    assert "(prompt 1, completion 0) ended in error" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        ("--engine-args", "--startup-delay=0.2"),
+        ("--engine-args=--startup-delay=0.2",),
+        ("--engine-args", "--startup-delay 0.2"),
+    ],
+)
+def test_engine_args_values_starting_with_a_dash(engine_args: tuple[str, ...]) -> None:
+    result = run("hi", "--max-tokens", "2", *engine_args, "-q")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "hi\n"
+
+
+def test_progress_fits_a_narrow_terminal() -> None:
+    """On a 50-column terminal every rewritten progress line is shorter than 50 columns
+    (a longer one would wrap and leave a stale row per update); --quiet prints none."""
+    import pty
+
+    for quiet in (False, True):
+        master, slave = pty.openpty()
+        try:
+            env = {**os.environ, "COLUMNS": "50", "LINES": "20"}
+            proc = subprocess.Popen(
+                [*CLI, "hi", "--max-tokens", "2", "--engine-args", "--startup-delay=0.6",
+                 *(["--quiet"] if quiet else [])],
+                stdout=subprocess.PIPE, stderr=slave, env=env,
+            )  # fmt: skip
+            os.close(slave)
+            slave = -1
+            chunks = []
+            while True:
+                try:
+                    data = os.read(master, 4096)
+                except OSError:  # EIO: the child closed its end
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            out, _ = proc.communicate(timeout=60)
+        finally:
+            os.close(master)
+            if slave >= 0:
+                os.close(slave)
+        assert proc.returncode == 0
+        assert out == b"hi\n"
+        err = b"".join(chunks).decode()
+        if quiet:
+            assert err == ""
+            continue
+        # Each update clears the row and writes one frame; every frame but the last is
+        # overwritten by the next update, so it must fit in the row, on one line.
+        rewritten = err.split("\r\x1b[K")[1:-1]
+        assert all("\n" not in f and "\r" not in f for f in rewritten), rewritten
+        assert any("waiting for" in f for f in rewritten), err
+        assert max(len(f) for f in rewritten) < 50, rewritten
 
 
 def test_engine_startup_failure_exits_1_with_the_engine_output() -> None:
@@ -173,8 +328,7 @@ def test_connect_waits_for_an_engine_started_elsewhere() -> None:
             address,
             "--engines",
             "1",
-            "--prompt-token-ids",
-            "1,5,7,9",
+            "abcd",
             "--max-tokens",
             "8",
             "--ready-timeout",
@@ -209,5 +363,5 @@ def test_connect_waits_for_an_engine_started_elsewhere() -> None:
                 p.kill()
                 p.wait()
     assert cli.returncode == 0, err
-    assert out == "1 5 7 9 1 5 7 9\n"
+    assert out == "abcdabcd\n"
     assert "1/1 ready" in err

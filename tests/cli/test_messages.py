@@ -7,6 +7,7 @@ another machine: torch not installed, Ctrl-C while the command is still importin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -86,6 +87,7 @@ def test_help_is_plain_text_fitted_to_the_terminal(command: list[str]) -> None:
     assert all(len(line) <= 60 for line in lines), [line for line in lines if len(line) > 60]
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_output_to_a_full_disk_is_one_line() -> None:
     with open("/dev/full", "w") as full:
         result = subprocess.run(
@@ -108,6 +110,48 @@ def test_the_tiny_model_without_torch_says_what_to_install() -> None:
     )
 
 
+def _interruptible(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    # SIGINT back to its default in the child: a shell's background job (and so a
+    # pytest started from one) ignores it, and an ignored SIGINT stays ignored in Python.
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            children = Path(f"/proc/{pid}/task/{task}/children").read_text()
+            found.update(int(p) for p in children.split())
+    return found
+
+
+def test_ctrl_c_while_a_benchmark_runs_exits_130_quietly_and_stops_its_engines() -> None:
+    child = _interruptible([*CLI, "bench", "latency", "--rounds", "10000000"], _env())
+    try:
+        deadline = time.monotonic() + 60
+        while not (engines := _children(child.pid)):
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "no engine was started"
+            time.sleep(0.02)
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert child.returncode == 130, err
+    assert "Traceback" not in err, err
+    for pid in engines:  # reaped by the client on its way out
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+
+
 @pytest.mark.parametrize(
     ("args", "module"),
     [(["generate", "hello"], "trio"), (["bench", "latency", "--rounds", "1"], "anyio")],
@@ -116,13 +160,7 @@ def test_ctrl_c_during_start_up_imports_exits_130_quietly(
     tmp_path: Path, args: list[str], module: str
 ) -> None:
     marker = tmp_path / "importing"
-    child = subprocess.Popen(
-        [*CLI, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(TRIO_VLLM_TEST_BLOCK_IMPORT=f"{module}:{marker}"),
-    )
+    child = _interruptible([*CLI, *args], _env(TRIO_VLLM_TEST_BLOCK_IMPORT=f"{module}:{marker}"))
     try:
         deadline = time.monotonic() + 60
         while not marker.exists():

@@ -30,3 +30,12 @@ def test_debug_adds_the_client_records_and_quiet_by_default() -> None:
     assert quiet.returncode == 0, quiet.stderr
     assert "trio_vllm." not in quiet.stderr
     assert "[reference-engine pid" not in quiet.stderr
+
+
+def test_the_top_level_verbosity_and_a_subcommand_s_own_v_are_separate() -> None:
+    from trio_vllm.cli import _build_parser
+
+    top = _build_parser().parse_args(["-vv", "wire", "check", "DIR"])
+    assert (top.log_verbosity, top.verbose) == (2, False)
+    sub = _build_parser().parse_args(["wire", "check", "-v", "DIR"])
+    assert (sub.log_verbosity, sub.verbose) == (0, True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
 import threading
 from typing import TYPE_CHECKING
@@ -84,6 +85,20 @@ async def test_each_line_reaches_the_rank_logger_with_its_level(collect: _Collec
     assert process.output_tail().splitlines()[-2:] == ["a plain line", "no newline at the end"]
 
 
+async def test_a_launcher_s_lines_go_to_the_rank_they_name(collect: _Collect) -> None:
+    code = (
+        "print('(EngineCore_DP3 pid=7) INFO 12-01 [core.py:1] three')\n"
+        "print('(EngineCore_DP2 pid=8) INFO 12-01 [core.py:1] two')\n"
+        "print('(Worker_DP3_TP0 pid=9) WARNING 12-01 [w.py:1] worker of three')\n"
+        "print('(APIServer pid=1) INFO 12-01 [api.py:1] launcher')\n"
+        "print('(EngineCore_DP9 pid=7) INFO 12-01 [core.py:1] not ours')\n"
+    )
+    await _run(code, ranks=[2, 3])
+    assert _log.flush_engine_logs(10)
+    got = [(r.name.rsplit(".", 1)[1], r.getMessage().rsplit(" ", 1)[1]) for r in collect.records]
+    assert got == [("3", "three"), ("2", "two"), ("3", "three"), ("2", "launcher"), ("2", "ours")]
+
+
 async def test_lines_below_the_logger_level_are_not_queued(collect: _Collect) -> None:
     logging.getLogger("trio_vllm.engine").setLevel(logging.WARNING)
     await _run("print('INFO chatter'); print('WARNING kept'); print('more chatter')", ranks=[0])
@@ -140,3 +155,29 @@ async def test_startup_failure_keeps_the_last_lines_in_the_error(collect: _Colle
 def test_the_library_is_silent_by_default() -> None:
     # A NullHandler keeps the last-resort handler from printing engine warnings.
     assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("trio_vllm").handlers)
+
+
+def test_a_forked_child_forwards_with_its_own_thread() -> None:
+    # The parent's forwarder thread does not survive a fork; the child gets a fresh one
+    # (and fresh locks) instead of lines queued for nobody.
+    code = (
+        "import logging, os, sys\n"
+        "from trio_vllm import _log\n"
+        "got = []\n"
+        "class H(logging.Handler):\n"
+        "    def emit(self, record): got.append(record.getMessage())\n"
+        "log = logging.getLogger('trio_vllm.engine.0')\n"
+        "log.addHandler(H()); log.setLevel(logging.INFO)\n"
+        "_log.forward_engine_line(log, 'parent', 1)\n"
+        "assert _log.flush_engine_logs(10) and got == ['parent'], got\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    _log.forward_engine_line(log, 'child', 2)\n"
+        "    os._exit(0 if _log.flush_engine_logs(10) and got[-1] == 'child' else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "sys.exit(os.waitstatus_to_exitcode(status))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr

@@ -83,3 +83,29 @@ def test_sandbox_refuses_unsafe_access(tiny: Tokenizer) -> None:
 def test_no_template() -> None:
     with pytest.raises(InvalidRequestError, match="no chat template"):
         render_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_continue_final_message(tiny: Tokenizer) -> None:
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon"}]
+    text = render_chat_template(msgs, tokenizer=tiny, add_generation_prompt=False,
+                                continue_final_message=True)
+    assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nOnce upon"
+    via_kwargs = render_chat_template(
+        msgs, tokenizer=tiny,
+        chat_template_kwargs={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert via_kwargs == text
+    with pytest.raises(InvalidRequestError, match="Cannot set both"):
+        render_chat_template(msgs, tokenizer=tiny, continue_final_message=True)
+
+
+def test_developer_messages_become_one_system_message(tiny: Tokenizer) -> None:
+    msgs = [{"role": "system", "content": "A"}, {"role": "user", "content": "Hi"},
+            {"role": "developer", "content": "B"}]
+    text = render_chat_template(msgs, tokenizer=tiny)
+    assert text.startswith("<|im_start|>system\nA\n\nB<|im_end|>\n<|im_start|>user\nHi")
+    assert "developer" not in text
+    aware = "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}{# 'developer' #}"
+    assert render_chat_template(msgs, tokenizer=tiny, chat_template=aware) == (
+        "system:A;user:Hi;developer:B;"
+    )

@@ -153,8 +153,10 @@ def test_invalid_prefix_resets_the_stream(tiny: Tokenizer, monkeypatch: pytest.M
         raise RuntimeError("something else")
 
     monkeypatch.setattr(d, "_step", other)
+    before = d.output_text
     with pytest.raises(RuntimeError, match="something else"):
         d.update(ids, False)
+    assert d.output_text == before  # the text so far survives the error
 
 
 def test_out_of_vocabulary_ids_give_no_text(tiny: Tokenizer, path: str) -> None:
@@ -181,3 +183,29 @@ def test_out_of_vocabulary_ids_give_no_text(tiny: Tokenizer, path: str) -> None:
 def test_check_stop_strings(text: str, new: int, stop: list[str], include: bool,
                             expected: tuple[str, int] | None) -> None:
     assert check_stop_strings(text, new, stop, include) == expected
+
+
+def test_sentencepiece_style_byte_fallback(tmp_path: Any, path: str) -> None:
+    from trio_vllm.text import load_tokenizer
+
+    from ._parity import build_sentencepiece_model
+
+    tok = load_tokenizer(build_sentencepiece_model(tmp_path / "sp"))
+    prompt = tok.encode("Hello")
+    ids = tok.encode(" world 你好 😀 café", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(ids).count("<0xE4>") == 1  # byte-fallback pieces
+    d = IncrementalDetokenizer.for_request(tok, prompt, SamplingParams())
+    deltas = []
+    for token_id in ids:
+        d.update([token_id], False)
+        deltas.append(d.get_next_output_text(False, True))
+    assert all("\ufffd" not in s for s in deltas)
+    # What the whole sequence decodes to, past the prompt's text.
+    full = tok.decode([*prompt, *ids])
+    assert "".join(deltas) == full[len(tok.decode(prompt)) :] == " world 你好 😀 café"
+    # Logprobs decode one token alone: the Metaspace marker's space is put back.
+    marked = [i for i, piece in enumerate(tok.convert_ids_to_tokens(range(259, 300)), 259)
+              if piece and piece.startswith("\u2581") and len(piece) > 1]
+    assert marked
+    assert all(tok.decode([i]).startswith(" ") is False for i in marked)  # Strip ate it
+    assert all(s.startswith(" ") for s in tok.decode_tokens_individually(marked))

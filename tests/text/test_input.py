@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -17,6 +18,9 @@ from trio_vllm.text import (
     internal_request_id,
     random_uuid,
 )
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 @pytest.fixture
@@ -36,8 +40,14 @@ def test_prompt_forms(inp: InputProcessor, tiny: Tokenizer) -> None:
     ("prompt", "message"),
     [
         ([], "cannot be empty"),
-        (list(range(5, 37)), "maximum context length is 32"),  # 32 tokens: no room to generate
-        (list(range(5, 45)), "longer than the maximum model length of 32"),
+        (list(range(5, 37)),  # 32 tokens: no room to generate
+         "The decoder prompt (length 32) plus the number of requested output tokens (at least"
+         " 1) is longer than the maximum model length of 32."),
+        (list(range(5, 37)), "maximum context length is 32 tokens"),
+        (list(range(5, 45)), "This model's maximum context length is 32 tokens. However, your "
+         "prompt contains 40 input tokens, which exceeds this limit even without any output"),
+        ("hello " * 40, "your prompt contains at least 33 input tokens"),
+        ("x" * 100_000, "your prompt contains 100000 characters"),
         ([5, 512], "Token id 512 is out of vocabulary"),
         ([-1, 5], "Token id -1 is out of vocabulary"),
         ([5, "6"], "ints only"),
@@ -148,3 +158,17 @@ def test_chat_prompt(inp: InputProcessor, tiny: Tokenizer) -> None:
     assert processed.prompt == expected
     assert processed.prompt_token_ids == tiny.encode(expected, add_special_tokens=False)
     assert processed.prompt_token_ids[0] == 3  # no BOS: the template writes the specials
+
+
+def test_ids_below_the_model_vocabulary_are_accepted(tmp_path: Path) -> None:
+    from .conftest import metaspace_tokenizer, write_model_dir
+
+    model = write_model_dir(tmp_path / "m", metaspace_tokenizer(),
+                            config={"vocab_size": 16}, tokenizer_config={"eos_token": "</s>"})
+    files = ModelFiles(model)
+    tok = files.load_tokenizer()
+    inp = InputProcessor.from_model_files(files, tok, max_model_len=32)
+    assert tok.max_token_id == 9
+    assert inp.tokenize_prompt([15]) == (None, [15])  # vLLM: max(max_token_id, vocab - 1)
+    with pytest.raises(InvalidRequestError, match="Token id 16 is out of vocabulary"):
+        inp.tokenize_prompt([16])

@@ -67,7 +67,8 @@ def test_special_tokens_and_added_tokens_from_tokenizer_config(tmp_path: Path) -
     # No post-processor in tokenizer.json: add_bos_token builds one, as transformers does.
     assert tok.encode("hello world") == [1, 3, 4]
     assert tok.encode("hello world", add_special_tokens=False) == [3, 4]
-    assert tok.max_token_id == 15  # the model's vocabulary is larger than the tokenizer's
+    assert tok.max_token_id == 10  # the tokenizer's own, as vLLM's
+    assert tok.model_vocab_size == 16  # the model's vocabulary is larger
     # Metaspace strips the first token's leading space; single-token decode puts it back.
     assert tok.decode([3]) == "hello"
     assert tok.decode_tokens_individually([3, 4, 7]) == [" hello", " world", "!"]
@@ -103,11 +104,18 @@ def test_directory_without_tokenizer_json_needs_transformers(
 
 
 def test_unknown_model_name_is_not_found_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("huggingface_hub")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE"):
         resolve_model_dir("no-such-org/no-such-model-trio-vllm")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_model_dir("/no/such/dir")
+
+
+def test_hub_names_need_huggingface_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    with pytest.raises(FileNotFoundError, match="huggingface_hub is not installed"):
+        resolve_model_dir("some-org/some-model")
 
 
 class _FakeSlowTokenizer:
@@ -187,3 +195,26 @@ def test_transformers_fallback_takes_the_slow_path(
     assert all("\ufffd" not in p for p in pieces)
     # Slow tokenizers with added tokens join the pieces around them with spaces (vLLM).
     assert d.output_text == text + " <|im_start|> <|im_end|>"
+
+
+def test_hub_name_from_the_local_cache_offline(
+    tmp_path: Path, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    hub = pytest.importorskip("huggingface_hub")
+    # The cache layout huggingface_hub writes: refs/main names a snapshot directory.
+    repo = tmp_path / "hub" / "models--some-org--tiny"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json"):
+        shutil.copy(tiny_dir / name, snapshot / name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model_dir("some-org/tiny") == snapshot
+    files = ModelFiles("some-org/tiny")
+    assert files.eos_token_ids == [2, 4]
+    assert files.load_tokenizer().encode("Hello")[0] == 1

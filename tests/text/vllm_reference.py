@@ -171,11 +171,65 @@ def run_tokenizer(case: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str,
         "eos_token_id": tok.eos_token_id,
         "max_token_id": tok.max_token_id,
         "chat": [
+            tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=False,
+                                    continue_final_message=True)
+            if agp == "continue" else
             tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=agp)
             for conv, agp in case["chats"]
         ],
     }
     return out
+
+
+_CONFIGS: dict[tuple[str, int], Any] = {}
+
+
+def _vllm_config(model: str, max_model_len: int) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    key = (model, max_model_len)
+    if key not in _CONFIGS:
+        args = EngineArgs(model=model, load_format="dummy", max_model_len=max_model_len,
+                          dtype="float32", enforce_eager=True)
+        _CONFIGS[key] = args.create_engine_config()
+    return _CONFIGS[key]
+
+
+def run_inputs(case: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    processor = InputProcessor(_vllm_config(case["model"], case["max_model_len"]))
+    results = []
+    for item in case["items"]:
+        try:
+            request = processor.process_inputs(
+                "ext-id", item["prompt"], SamplingParams(**item["params"]),
+                supported_tasks=("generate",),
+            )
+            processor.assign_request_id(request)
+        except Exception as exc:
+            results.append({"error": str(exc)})
+            continue
+        p = request.sampling_params
+        results.append({
+            "request_id": request.request_id, "external_req_id": request.external_req_id,
+            "prompt_token_ids": list(request.prompt_token_ids),
+            "max_tokens": p.max_tokens, "_eos_token_id": p._eos_token_id,
+            "stop_token_ids": p.stop_token_ids,
+            "_all_stop_token_ids": sorted(p._all_stop_token_ids),
+            "output_text_buffer_length": p.output_text_buffer_length,
+        })
+    return {"items": results}
+
+
+def run_chat_parse(case: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str, Any]:
+    from vllm.renderers.chat_utils import parse_chat_messages
+
+    config = _vllm_config(case["model"], case.get("max_model_len", 32))
+    conversation, _, _ = parse_chat_messages(case["messages"], config.model_config,
+                                             content_format="string")
+    return {"conversation": json.loads(json.dumps(conversation))}
 
 
 def main() -> None:
@@ -184,7 +238,8 @@ def main() -> None:
     results = []
     for case in cases:
         kind = case.get("kind", "outputs")
-        fn = {"outputs": run_case, "params": run_params, "tokenizer": run_tokenizer}[kind]
+        fn = {"outputs": run_case, "params": run_params, "tokenizer": run_tokenizer,
+              "inputs": run_inputs, "chat_parse": run_chat_parse}[kind]
         results.append(fn(case, tokenizers))
     sys.stdout.write("\n@@RESULT@@" + json.dumps(results) + "\n")
 

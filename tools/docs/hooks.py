@@ -18,15 +18,31 @@ from typing import Any
 _MARKER = re.compile(r"<!-- api: ([\w.]+) -->")
 
 
-def _blocks(match: re.Match[str]) -> str:
+_expected: dict[str, list[str]] = {}  # page -> the identifiers it must render
+
+
+def _blocks(match: re.Match[str], page: str) -> str:
     module_name = match.group(1)
     module = importlib.import_module(module_name)
-    names = [n for n in module.__all__ if not n.startswith("__")]
-    return "\n\n".join(f"::: {module_name}.{name}" for name in names)
+    names = [f"{module_name}.{n}" for n in module.__all__ if not n.startswith("__")]
+    _expected.setdefault(page, []).extend(names)
+    return "\n\n".join(f"::: {name}" for name in names)
 
 
-def on_page_markdown(markdown: str, **kwargs: Any) -> str:
-    return _MARKER.sub(_blocks, markdown)
+def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
+    src = page.file.src_path
+    _expected.pop(src, None)
+    return _MARKER.sub(lambda m: _blocks(m, src), markdown)
+
+
+def on_post_page(output: str, page: Any, **kwargs: Any) -> str:
+    # Every listed name must come out as a heading with its docstring's anchor.
+    missing = [n for n in _expected.get(page.file.src_path, []) if f'id="{n}"' not in output]
+    if missing:
+        from mkdocs.exceptions import PluginError
+
+        raise PluginError(f"{page.file.src_path}: not rendered: {', '.join(missing)}")
+    return output
 
 
 def _listed(nav: Any) -> set[str]:

@@ -30,3 +30,27 @@ class SphinxRoles(griffe.Extension):
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.docstring is not None:
             obj.docstring.value = plain(obj.docstring.value)
+
+
+def _rewrite(paths: list[str]) -> int:
+    """Rewrite the roles in these files (or the .py files under these folders) in place."""
+    from pathlib import Path
+
+    changed = 0
+    for arg in paths:
+        root = Path(arg)
+        for path in [root] if root.is_file() else sorted(root.rglob("*.py")):
+            text = path.read_text()
+            new = plain(text)
+            if new != text:
+                path.write_text(new)
+                changed += 1
+                print(f"rewrote {path}")
+    return changed
+
+
+if __name__ == "__main__":
+    import sys
+
+    # python tools/docs/sphinx_roles.py PATH...: the same conversion in the sources.
+    _rewrite(sys.argv[1:])

@@ -1,11 +1,11 @@
 """``trio-vllm bench sync``: what a blocking consumer pays per output.
 
-One :class:`~trio_vllm.SyncClient` and one reference engine (echo model). Each round
+One `SyncClient` and one reference engine (echo model). Each round
 starts two requests of ``--tokens`` tokens with a stream buffer large enough that
 nothing is coalesced, waits until the engine has sent every output (so the engine's
 speed is out of the figure), then drains them: one with ``async for`` inside the
 client's event loop (the anchor, what an async application pays) and one by iterating
-the :class:`~trio_vllm.SyncRequestStream` from this thread. The order alternates per
+the `SyncRequestStream` from this thread. The order alternates per
 round. Reports outputs/s and CPU per output for both, and the ratio sync / async.
 """
 

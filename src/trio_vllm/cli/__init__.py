@@ -109,6 +109,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--verbose",
         action="count",
         default=0,
+        dest="log_verbosity",  # not "verbose": subcommands have their own -v
         help="log to stderr: -v for INFO (engine output included), -vv for DEBUG",
     )
     parser.add_argument(
@@ -133,18 +134,22 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _configure_logging(args: argparse.Namespace) -> bool:
-    level = args.log_level or {0: None, 1: "INFO"}.get(args.verbose, "DEBUG")
+def _configure_logging(args: argparse.Namespace) -> logging.Handler | None:
+    level = args.log_level or {0: None, 1: "INFO"}.get(args.log_verbosity, "DEBUG")
     if level is None:
-        return False
+        return None
     handler = logging.StreamHandler(sys.stderr)
+    # On a terminal, clear a progress line (written with \r and no newline) first.
+    clear = "\r\x1b[K" if sys.stderr.isatty() else ""
     handler.setFormatter(
-        logging.Formatter("%(asctime)s.%(msecs)03d %(name)s %(levelname)s: %(message)s", "%H:%M:%S")
+        logging.Formatter(
+            clear + "%(asctime)s.%(msecs)03d %(name)s %(levelname)s: %(message)s", "%H:%M:%S"
+        )
     )
     log = logging.getLogger("trio_vllm")
     log.addHandler(handler)
     log.setLevel(level)
-    return True
+    return handler
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -171,14 +176,18 @@ def _run(argv: Sequence[str] | None) -> int:
         if extra:
             args._cli_parser.error(f"unrecognized arguments: {' '.join(extra)}")
         prog = args._cli_parser.prog
-        logging_on = _configure_logging(args)
+        handler = _configure_logging(args)
         try:
             status: int = args._cli_run(args)
         finally:
-            if logging_on:
+            if handler is not None:
                 from .._log import flush_engine_logs
 
                 flush_engine_logs(1.0)
+                # main() may run again in this process (tests, an embedding program).
+                log = logging.getLogger("trio_vllm")
+                log.removeHandler(handler)
+                log.setLevel(logging.NOTSET)
         sys.stdout.flush()
     except BaseException as raised:
         error = _unwrap(raised)

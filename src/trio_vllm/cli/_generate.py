@@ -1,56 +1,106 @@
-"""``trio-vllm generate``: run prompts through engines and stream what they produce.
+"""``trio-vllm generate``: run prompts through engines, text in and text out.
 
 Engines: the bundled reference engine (default), stock vLLM engine cores spawned with
 another python (``--engine vllm``), or engines started elsewhere that connect to
-``--connect tcp://HOST:PORT``. trio-vllm has no tokenizer: a text prompt is encoded
-byte-level (UTF-8 bytes are the token ids, the reference engine's vocabulary) and
-output ids below 256 are decoded back the same way; ``--prompt-token-ids`` sends ids
-as they are and prints ids. ``--json`` prints one JSON line per request instead.
+``--connect tcp://HOST:PORT``. Prompts go through the text layer: the model directory
+(``--model DIR``; the reference engine's own byte-level one by default) gives the
+tokenizer, the chat template (``--chat``) and the EOS ids; output is detokenized
+incrementally and stop strings (``--stop``) are applied as vLLM's frontend does.
+``--prompt-token-ids`` sends ids as they are. ``--json`` prints one JSON line per
+completion, in prompt order.
 
-Exit status: 0 on success, 1 when engines fail to start or die, 2 on bad arguments,
-130 after Ctrl-C (the first Ctrl-C cancels and shuts the engines down cleanly).
+Exit status: 0 on success, 1 when engines fail to start or die or a request ends in
+error (its reason on stderr), 2 on bad arguments (sampling values and prompts are checked
+before any engine starts), 130 after Ctrl-C (the first Ctrl-C cancels and shuts the
+engines down cleanly).
 """
 
 from __future__ import annotations
 
 import argparse
-import codecs
 import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from ..client import EngineCoreClient, EngineSource, StartupProgress
+    from collections.abc import Sequence
+
+    from ..client import EngineSource, StartupProgress
+    from ..llm import LLM
+    from ..protocol import SamplingParams
+    from ..text import CompletionOutput, RequestOutput
 
 __all__ = ["add_generate_parser", "run_generate"]
 
-_BYTE_VOCAB = 256  # ids 0-255 are bytes in the reference engine's vocabulary
+_REFERENCE_MODELS = ("echo", "tiny")
+# Options whose value may itself look like an option (``--engine-args "--x=1"``).
+_RAW_VALUE_OPTIONS = ("--engine-args",)
+
+
+def _join_raw_values(args: Sequence[str]) -> list[str]:
+    """``--engine-args VALUE`` -> ``--engine-args=VALUE`` when VALUE starts with ``-``:
+    argparse would otherwise take ``--startup-delay=1`` for an unknown option."""
+    out: list[str] = []
+    it = iter(args)
+    for arg in it:
+        if arg in _RAW_VALUE_OPTIONS:
+            value = next(it, None)
+            if value is None:
+                out.append(arg)
+            else:
+                out.append(f"{arg}={value}")
+        elif arg == "--":
+            out.append(arg)
+            out.extend(it)
+        else:
+            out.append(arg)
+    return out
 
 
 def add_generate_parser(commands: Any) -> None:
     """Register the ``generate`` subcommand on an argparse subparsers object."""
-    p = commands.add_parser(
-        "generate",
-        help="generate from prompts and stream the output",
-        description=__doc__.split("\n\n")[1].replace("\n", " ") if __doc__ else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "examples:\n"
-            '  trio-vllm generate "hello" --max-tokens 16\n'
-            "  trio-vllm generate --prompt-token-ids 1,5,7,9 --max-tokens 8 --json\n"
-            "  trio-vllm generate --engine vllm --model ./tiny-llama --vllm-python PY \\\n"
-            '      --engine-args "--load-format dummy --skip-tokenizer-init" '
-            "--prompt-token-ids 1,5,7,9\n"
-            "  trio-vllm generate --connect tcp://127.0.0.1:29555 --engines 1 "
-            "--prompt-token-ids 1,5,7,9 --json"
-        ),
-    )
-    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="text prompt(s), byte-encoded")
+    base: type[argparse.ArgumentParser] = commands._parser_class
+
+    class _GenerateParser(base):  # type: ignore[valid-type,misc]
+        def parse_known_args(
+            self, args: Sequence[str] | None = None, namespace: Any = None
+        ) -> tuple[argparse.Namespace, list[str]]:
+            if args is None:
+                args = sys.argv[1:]
+            parsed: tuple[argparse.Namespace, list[str]] = super().parse_known_args(
+                _join_raw_values(args), namespace
+            )
+            return parsed
+
+    commands._parser_class = _GenerateParser
+    try:
+        p = commands.add_parser(
+            "generate",
+            help="generate text from prompts and stream it",
+            description=__doc__.split("\n\n")[1].replace("\n", " ") if __doc__ else None,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=(
+                "examples:\n"
+                '  trio-vllm generate "hello" --max-tokens 16\n'
+                '  trio-vllm generate "hello" --stop lo --n 2 --temperature 1 --seed 3 --json\n'
+                '  trio-vllm generate --chat --system "be brief" "hi there"\n'
+                "  trio-vllm generate --prompt-token-ids 1,5,7,9 --max-tokens 8 --json\n"
+                "  trio-vllm generate --engine vllm --model ./tiny-llama --vllm-python PY \\\n"
+                '      --engine-args "--load-format dummy" "hello"\n'
+                "  trio-vllm generate --connect tcp://127.0.0.1:29555 --model ./tiny-llama "
+                '"hello" --json'
+            ),
+        )
+    finally:
+        commands._parser_class = base
+    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="text prompt(s)")
     p.add_argument(
         "--prompt-token-ids",
         action="append",
@@ -58,20 +108,39 @@ def add_generate_parser(commands: Any) -> None:
         metavar="ID,ID,...",
         help="a prompt as comma-separated token ids (repeat for more requests)",
     )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="each PROMPT is a user message, rendered with the model's chat template",
+    )
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message first")
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=16, metavar="N", help="default: 16")
     s.add_argument(
         "--temperature", type=float, default=0.0, metavar="T", help="default: 0 (greedy)"
     )
     s.add_argument("--seed", type=int, default=None, metavar="S")
-    s.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    s.add_argument("--top-k", type=int, default=0, metavar="K")
+    s.add_argument("--top-p", type=float, default=None, metavar="P")
+    s.add_argument("--top-k", type=int, default=None, metavar="K")
+    s.add_argument("--n", type=int, default=1, metavar="N", help="completions per prompt")
+    s.add_argument(
+        "--stop", action="append", default=[], metavar="S", help="stop string (repeatable)"
+    )
+    s.add_argument(
+        "--include-stop-str-in-output",
+        action="store_true",
+        help="keep the matched stop string in the text",
+    )
+    s.add_argument("--min-tokens", type=int, default=0, metavar="N")
+    s.add_argument(
+        "--logprobs", type=int, default=None, metavar="K", help="top-K logprobs per token"
+    )
     s.add_argument(
         "--eos-token-id",
         type=int,
         default=None,
         metavar="ID",
-        help="stop at this id (default: the reference engine's EOS; none for vLLM)",
+        help="also stop at this id (the model directory's EOS ids always apply)",
     )
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     e = p.add_argument_group("engines")
@@ -84,7 +153,15 @@ def add_generate_parser(commands: Any) -> None:
     e.add_argument(
         "--model",
         default=None,
-        help="reference: echo (default; repeats the prompt) or tiny; vllm: model path",
+        help="the model directory (tokenizer, chat template, EOS); reference engine: also "
+        "echo (default) or tiny, its own models with its own tokenizer; vllm: the model "
+        "path, as for vllm serve",
+    )
+    e.add_argument(
+        "--reference-model",
+        choices=_REFERENCE_MODELS,
+        default=None,
+        help="the reference engine's model when --model is a directory (default echo)",
     )
     e.add_argument("--vllm-python", metavar="PY", help="python with vLLM (--engine vllm)")
     e.add_argument(
@@ -92,7 +169,8 @@ def add_generate_parser(commands: Any) -> None:
         default="",
         metavar="ARGS",
         help="more engine arguments as one string: `vllm serve`'s with --engine vllm "
-        '(e.g. "--load-format dummy"), the reference engine\'s otherwise',
+        '(e.g. "--load-format dummy"), the reference engine\'s otherwise; a value '
+        'starting with a dash works ("--startup-delay=1")',
     )
     e.add_argument(
         "--connect",
@@ -116,7 +194,15 @@ def add_generate_parser(commands: Any) -> None:
     o.add_argument(
         "--json",
         action="store_true",
-        help='one line per request: {"request_id", "token_ids", "finish_reason"}; no progress',
+        help='one line per completion, in prompt order: {"prompt_index", "index", '
+        '"request_id", "text", "token_ids", "finish_reason", "stop_reason"} (and '
+        '"logprobs" with --logprobs)',
+    )
+    o.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no startup progress and no per-request summary on stderr",
     )
 
 
@@ -139,16 +225,146 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def _engine_source(args: argparse.Namespace) -> EngineSource:
-    from ..client import ExternalEngines, ReferenceEngines, VllmEngines
+@dataclass
+class _Plan:
+    """What the arguments mean, checked before anything starts."""
 
+    model_dir: str
+    reference_model: str | None  # None: not the reference engine
+    engine_args: list[str]
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    messages: list[list[dict[str, str]]] | None = None
+
+
+def _model_plan(args: argparse.Namespace) -> tuple[str, str | None]:
+    """``(model directory for the tokenizer, reference model or None)``."""
+    from ..reference_engine import MODEL_DIR
+
+    if args.connect is not None:
+        if args.engine != "reference" or args.reference_model is not None:
+            raise _UsageError(
+                "--connect waits for engines started elsewhere: drop --engine and "
+                "--reference-model (--model DIR still names the tokenizer)"
+            )
+        return (args.model or MODEL_DIR), None
+    if args.engine == "vllm":
+        if not args.model:
+            raise _UsageError("--engine vllm needs --model (a path or name, as for vllm serve)")
+        if not args.vllm_python:
+            raise _UsageError("--engine vllm needs --vllm-python, a python with vLLM installed")
+        return args.model, None
+    model = args.model or "echo"
+    if model in _REFERENCE_MODELS and not os.path.isdir(model):
+        if args.reference_model is not None:
+            raise _UsageError("--reference-model goes with --model DIR")
+        return MODEL_DIR, model
+    if not os.path.isdir(model):
+        raise _UsageError(
+            f"the reference engine has models echo and tiny, or give a model directory: "
+            f"{model!r} is neither"
+        )
+    return model, args.reference_model or "echo"
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    from ..protocol import RequestOutputKind, SamplingParams
+
+    if args.max_tokens < 1:
+        raise _UsageError("--max-tokens must be at least 1")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise _UsageError("--temperature must be >= 0")
+    if args.n < 1:
+        raise _UsageError("--n must be at least 1")
+    # Checked here: SamplingParams resets top_p/top_k for greedy requests, as vLLM does
+    # after its own checks, so the text layer never sees a bad value given with T=0.
+    if args.top_p is not None and not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise _UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k is not None and args.top_k < -1:
+        raise _UsageError(f"--top-k must be -1 or 0 (off) or at least 1, got {args.top_k}")
+    values: dict[str, Any] = {
+        "n": args.n,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "min_tokens": args.min_tokens,
+        "stop": list(args.stop),
+        "include_stop_str_in_output": args.include_stop_str_in_output,
+        "logprobs": args.logprobs,
+        "ignore_eos": args.ignore_eos,
+        "output_kind": RequestOutputKind.DELTA,
+    }
+    if args.top_p is not None:
+        values["top_p"] = args.top_p
+    if args.top_k is not None:
+        values["top_k"] = args.top_k
+    if args.eos_token_id is not None:
+        values["stop_token_ids"] = [args.eos_token_id]
+    return SamplingParams(**values)
+
+
+def _plan(args: argparse.Namespace) -> _Plan:
     if args.engines < 1:
         raise _UsageError("--engines must be at least 1")
+    try:
+        engine_args = shlex.split(args.engine_args)
+    except ValueError as exc:
+        raise _UsageError(f"--engine-args: {exc}") from None
+    model_dir, reference_model = _model_plan(args)
+    prompts: list[str | list[int]] = list(args.prompts)
+    prompts += [_parse_ids(ids) for ids in args.prompt_token_ids]
+    if not prompts:
+        raise _UsageError("give a PROMPT or --prompt-token-ids")
+    messages = None
+    if args.chat:
+        if args.prompt_token_ids:
+            raise _UsageError("--chat takes text prompts, not --prompt-token-ids")
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        messages = [[*system, {"role": "user", "content": p}] for p in args.prompts]
+    elif args.system is not None:
+        raise _UsageError("--system goes with --chat")
+    return _Plan(model_dir, reference_model, engine_args, prompts, _sampling_params(args),
+                 messages)  # fmt: skip
+
+
+def _load_model(plan: _Plan) -> Any:
+    """The model directory's files and tokenizer (``ModelFiles``), or a usage error."""
+    from ..text import ModelFiles
+
+    try:
+        files = ModelFiles(plan.model_dir)
+        tokenizer = files.load_tokenizer()
+    except (OSError, ValueError) as exc:
+        raise _UsageError(
+            f"--model: cannot load the tokenizer of {plan.model_dir!r}: {exc}"
+        ) from None
+    return files, tokenizer
+
+
+def _precheck(plan: _Plan, files: Any, tokenizer: Any) -> None:
+    """Validate every prompt and the sampling values with the text layer, before any
+    engine starts (the context length is checked again once the engines report theirs)."""
+    from .._exceptions import InvalidRequestError
+    from ..text import InputProcessor
+
+    limit = files.max_position_embeddings or 1 << 31
+    inputs = InputProcessor.from_model_files(files, tokenizer, max_model_len=limit)
+    try:
+        if plan.messages is not None:
+            for messages in plan.messages:
+                inputs.process_chat("check", messages, plan.params)
+        else:
+            for prompt in plan.prompts:
+                inputs.process_inputs("check", prompt, plan.params)
+    except InvalidRequestError as exc:
+        raise _UsageError(str(exc)) from None
+
+
+def _engine_source(args: argparse.Namespace, plan: _Plan) -> EngineSource:
+    from ..client import ExternalEngines, ReferenceEngines, VllmEngines
+    from ..reference_engine import MODEL_DIR
+
     if args.connect is not None:
-        if args.engine != "reference" or args.model is not None:
-            raise _UsageError(
-                "--connect waits for engines started elsewhere: drop --engine/--model"
-            )
         try:
             return ExternalEngines(
                 args.connect, count=args.engines, advertise_host=args.advertise_host
@@ -156,27 +372,22 @@ def _engine_source(args: argparse.Namespace) -> EngineSource:
         except ValueError as exc:
             raise _UsageError(f"--connect: {exc}") from None
     if args.engine == "vllm":
-        if not args.model:
-            raise _UsageError("--engine vllm needs --model (a path or name, as for vllm serve)")
-        if not args.vllm_python:
-            raise _UsageError("--engine vllm needs --vllm-python, a python with vLLM installed")
         return VllmEngines(
-            args.model,
-            python=args.vllm_python,
-            extra_args=shlex.split(args.engine_args),
-            count=args.engines,
+            args.model, python=args.vllm_python, extra_args=plan.engine_args, count=args.engines
         )
-    model = args.model or "echo"
-    if model not in ("echo", "tiny"):
-        raise _UsageError(f"the reference engine has models echo and tiny, not {model!r}")
-    return ReferenceEngines(args.engines, model=model, extra_args=shlex.split(args.engine_args))
+    assert plan.reference_model is not None
+    extra = list(plan.engine_args)
+    if plan.model_dir != MODEL_DIR:
+        extra = ["--model-dir", plan.model_dir, *extra]
+    return ReferenceEngines(args.engines, model=plan.reference_model, extra_args=extra)
 
 
 # ---------------------------------------------------------------------- progress
 
 
 class _Progress:
-    """Live startup progress on stderr: one rewritten line on a terminal, else lines."""
+    """Live startup progress on stderr: one rewritten line on a terminal, cut to its
+    width (a longer line would wrap and leave stale rows), else plain lines."""
 
     def __init__(self, stream: TextIO, what: str, enabled: bool) -> None:
         self._stream = stream
@@ -205,7 +416,9 @@ class _Progress:
             return
         line = self._line()
         if self._tty:
-            self._stream.write("\r\x1b[K" + line)
+            width = shutil.get_terminal_size().columns
+            # One column short: a line that fills the last column wraps on some terminals.
+            self._stream.write("\r\x1b[K" + line[: max(width - 1, 1)])
             self._stream.flush()
         else:
             # Lines when something changed, and a heartbeat every 10 s.
@@ -244,61 +457,147 @@ class _Progress:
 # ---------------------------------------------------------------------- running
 
 
-class _Printer:
-    """Streams one request's output to stdout (text or ids)."""
-
-    def __init__(self, out: TextIO, as_text: bool) -> None:
-        self._out = out
-        self._as_text = as_text
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._any = False
-
-    def tokens(self, ids: list[int]) -> None:
-        if self._as_text:
-            text = self._decoder.decode(bytes(t for t in ids if 0 <= t < _BYTE_VOCAB))
-        elif ids:
-            text = (" " if self._any else "") + " ".join(map(str, ids))
-            self._any = True
-        else:
-            text = ""
-        if text:
-            self._out.write(text)
-            self._out.flush()
-
-    def end(self) -> None:
-        if self._as_text:
-            self._out.write(self._decoder.decode(b"", final=True))
-        self._out.write("\n")
-        self._out.flush()
-
-
-def _decode_text(ids: list[int]) -> str:
-    return bytes(t for t in ids if 0 <= t < _BYTE_VOCAB).decode("utf-8", "replace")
-
-
-def _short_name(args: argparse.Namespace) -> str:
+def _short_name(args: argparse.Namespace, plan: _Plan) -> str:
     plural = "s" if args.engines > 1 else ""
     if args.connect is not None:
         return f"{args.engines} engine{plural} at {args.connect}"
     if args.engine == "vllm":
         return f"{args.engines} vLLM engine{plural}"
-    return f"{args.engines} reference engine{plural} ({args.model or 'echo'})"
+    return f"{args.engines} reference engine{plural} ({plan.reference_model})"
 
 
-async def _generate(args: argparse.Namespace, prompts: list[tuple[list[int], bool]]) -> int:
+def _logprobs_json(completion: CompletionOutput) -> list[list[dict[str, Any]]] | None:
+    if completion.logprobs is None:
+        return None
+    return [
+        [
+            {"token_id": tid, "logprob": lp.logprob, "rank": lp.rank,
+             "decoded_token": lp.decoded_token}
+            for tid, lp in position.items()
+        ]
+        for position in completion.logprobs
+    ]  # fmt: skip
+
+
+@dataclass
+class _Result:
+    request_id: str = ""
+    completions: dict[int, CompletionOutput] = field(default_factory=dict)
+    done: bool = False
+
+
+class _Output:
+    """Prints results in prompt order, each as soon as it and all before it are done."""
+
+    def __init__(self, args: argparse.Namespace, count: int, out: TextIO, err: TextIO) -> None:
+        self.args = args
+        self.results = [_Result() for _ in range(count)]
+        self.next = 0
+        self.out = out
+        self.err = err
+        self.errors: list[str] = []
+        self.live = count == 1 and args.n == 1 and not args.json
+
+    def delta(self, index: int, output: RequestOutput) -> None:
+        result = self.results[index]
+        result.request_id = output.request_id
+        for c in output.outputs:
+            have = result.completions.get(c.index)
+            if have is None:
+                result.completions[c.index] = _copy_completion(c)
+            else:
+                have.text += c.text
+                have.token_ids.extend(c.token_ids)
+                if c.logprobs:
+                    have.logprobs = [*(have.logprobs or ()), *c.logprobs]
+                have.cumulative_logprob = c.cumulative_logprob
+                have.finish_reason = c.finish_reason
+                have.stop_reason = c.stop_reason
+            if self.live and c.text:
+                self.out.write(c.text)
+                self.out.flush()
+
+    def finish(self, index: int) -> None:
+        self.results[index].done = True
+        while self.next < len(self.results) and self.results[self.next].done:
+            self._print(self.next)
+            self.next += 1
+
+    def _print(self, index: int) -> None:
+        result = self.results[index]
+        args = self.args
+        for k in sorted(result.completions):
+            c = result.completions[k]
+            if c.finish_reason == "error":
+                self.errors.append(
+                    f"request {result.request_id} (prompt {index}, completion {k}) ended in "
+                    f"error after {len(c.token_ids)} token(s): the engine refused or failed "
+                    "it (its log says why; run with -v)"
+                )
+            if args.json:
+                line: dict[str, Any] = {
+                    "prompt_index": index,
+                    "index": c.index,
+                    "request_id": result.request_id,
+                    "text": c.text,
+                    "token_ids": c.token_ids,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                if args.logprobs is not None:
+                    line["logprobs"] = _logprobs_json(c)
+                self.out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            elif self.live:
+                self.out.write("\n")
+                if not args.quiet:
+                    self.err.write(
+                        f"[{result.request_id}: {len(c.token_ids)} tokens, "
+                        f"finish_reason={c.finish_reason}, stop_reason={c.stop_reason!r}]\n"
+                    )
+            else:
+                self.out.write(
+                    f"--- prompt {index} completion {k} ({result.request_id}: "
+                    f"{len(c.token_ids)} tokens, {c.finish_reason})\n{c.text}\n"
+                )
+        self.out.flush()
+
+
+def _copy_completion(c: CompletionOutput) -> CompletionOutput:
+    import msgspec
+
+    return msgspec.structs.replace(
+        c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs)
+    )
+
+
+async def _run_requests(llm: LLM, plan: _Plan, output: _Output) -> None:
     import anyio
 
-    from ..client import ReferenceEngines, make_request, open_client
+    async def one(index: int) -> None:
+        if plan.messages is not None:
+            cm = llm.chat(plan.messages[index], plan.params)
+        else:
+            cm = llm.generate(plan.prompts[index], plan.params)
+        async with cm as stream:
+            async for out in stream:
+                output.delta(index, out)
+        output.finish(index)
 
-    engines = _engine_source(args)
+    async with anyio.create_task_group() as tg:
+        for index in range(len(plan.prompts)):
+            tg.start_soon(one, index)
+
+
+async def _generate(args: argparse.Namespace, plan: _Plan, files: Any, tokenizer: Any) -> int:
+    import anyio
+
+    from ..client import open_client
+    from ..llm import LLM
+
+    engines = _engine_source(args, plan)
     out, err = sys.stdout, sys.stderr
-    progress = _Progress(err, _short_name(args), enabled=not args.json)
-    text_prompts = any(as_text for _, as_text in prompts)
-    if not args.json and text_prompts and not isinstance(engines, ReferenceEngines):
-        err.write(
-            "note: text prompts are encoded byte-level (token id = UTF-8 byte), the "
-            "reference engine's vocabulary; give --prompt-token-ids for other models\n"
-        )
+    progress = _Progress(err, _short_name(args, plan), enabled=not args.quiet)
+    output = _Output(args, len(plan.prompts), out, err)
     async with anyio.create_task_group() as tg:
         tg.start_soon(progress.tick)
         try:
@@ -308,68 +607,14 @@ async def _generate(args: argparse.Namespace, prompts: list[tuple[list[int], boo
                 progress.done(
                     f"{len(client.ranks)} engine(s) ready (protocol of vLLM {client.vllm_version})"
                 )
-                eos = args.eos_token_id
-                if eos is None and isinstance(engines, ReferenceEngines):
-                    # The reference engine's worker reports its vocabulary's EOS id.
-                    (info, *_) = await client.collective_rpc("reference_engine_info")
-                    assert isinstance(info, dict)
-                    eos = int(info["eos_token_id"])
-                requests = [
-                    make_request(
-                        ids,
-                        max_tokens=args.max_tokens,
-                        temperature=args.temperature,
-                        seed=args.seed,
-                        top_p=args.top_p,
-                        top_k=args.top_k,
-                        eos_token_id=None if args.ignore_eos else eos,
-                        ignore_eos=args.ignore_eos,
-                        max_model_len=client.max_model_len,
-                    )
-                    for ids, _ in prompts
-                ]
-                await _run_requests(client, args, requests, [t for _, t in prompts], out, err)
+                llm = LLM(client, model=plan.model_dir, files=files, tokenizer=tokenizer)
+                await _run_requests(llm, plan, output)
         finally:
             progress.done(None)
             tg.cancel_scope.cancel()
-    return 0
-
-
-async def _run_requests(
-    client: EngineCoreClient,
-    args: argparse.Namespace,
-    requests: list[Any],
-    as_text: list[bool],
-    out: TextIO,
-    err: TextIO,
-) -> None:
-    import anyio
-
-    live = len(requests) == 1 and not args.json
-
-    async def one(request: Any, text: bool) -> None:
-        printer = _Printer(out, text) if live else None
-        tokens: list[int] = []
-        async with client.generate(request) as stream:
-            async for output in stream:
-                tokens.extend(output.new_token_ids)
-                if printer is not None:
-                    printer.tokens(list(output.new_token_ids))
-        reason = str(stream.finish_reason) if stream.finish_reason is not None else None
-        if args.json:
-            line = {"request_id": request.request_id, "token_ids": tokens, "finish_reason": reason}
-            out.write(json.dumps(line) + "\n")
-        elif printer is not None:
-            printer.end()
-            err.write(f"[{request.request_id}: {len(tokens)} tokens, finish_reason={reason}]\n")
-        else:
-            body = _decode_text(tokens) if text else " ".join(map(str, tokens))
-            out.write(f"--- {request.request_id} ({len(tokens)} tokens, {reason})\n{body}\n")
-        out.flush()
-
-    async with anyio.create_task_group() as tg:
-        for request, text in zip(requests, as_text, strict=True):
-            tg.start_soon(one, request, text)
+    for message in output.errors:
+        err.write(f"trio-vllm generate: {message}\n")
+    return 1 if output.errors else 0
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -378,7 +623,7 @@ def _unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
-async def _main(args: argparse.Namespace, prompts: list[tuple[list[int], bool]]) -> int:
+async def _main(args: argparse.Namespace, plan: _Plan, files: Any, tokenizer: Any) -> int:
     import trio
 
     interrupted = False
@@ -397,7 +642,7 @@ async def _main(args: argparse.Namespace, prompts: list[tuple[list[int], bool]])
                             scope.cancel()
 
             nursery.start_soon(on_sigint)
-            status = await _generate(args, prompts)
+            status = await _generate(args, plan, files, tokenizer)
             nursery.cancel_scope.cancel()
     if interrupted:
         sys.stderr.write("interrupted\n")
@@ -412,22 +657,15 @@ def run_generate(args: argparse.Namespace) -> int:
     from .._exceptions import EngineDeadError, EngineStartupError, TrioVllmError
 
     try:
-        prompts = [(list(text.encode("utf-8")), True) for text in args.prompts]
-        prompts += [(_parse_ids(ids), False) for ids in args.prompt_token_ids]
-        if not prompts:
-            raise _UsageError("give a PROMPT or --prompt-token-ids")
-        if any(not ids for ids, _ in prompts):
-            raise _UsageError("empty prompt")
-        if args.max_tokens < 1:
-            raise _UsageError("--max-tokens must be at least 1")
-        if not math.isfinite(args.temperature) or args.temperature < 0:
-            raise _UsageError("--temperature must be >= 0")
-        _engine_source(args)  # validate early, before anything starts
+        plan = _plan(args)
+        files, tokenizer = _load_model(plan)
+        _precheck(plan, files, tokenizer)
+        _engine_source(args, plan)  # validate early, before anything starts
     except _UsageError as exc:
         sys.stderr.write(f"trio-vllm generate: error: {exc}\n")
         return 2
     try:
-        return trio.run(_main, args, prompts)
+        return trio.run(_main, args, plan, files, tokenizer)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")  # Ctrl-C before our handler was installed
         return 130

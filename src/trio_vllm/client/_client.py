@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, TypeVar, cast, final
+from typing import TYPE_CHECKING, Literal, TypeVar, final
 
 import anyio
 import anyio.abc
@@ -45,7 +45,6 @@ from ..protocol.handshake import identity_for_rank
 from ..protocol.session import (
     ClientSession,
     DeathRecord,
-    Deliver,
     Died,
     EmitEvent,
     EngineEvent,
@@ -281,12 +280,12 @@ class EngineCoreClient(NamedUtilities):
     def _apply(self, actions: list[Action]) -> None:
         """Carry out the session's actions, in order (synchronous)."""
         for action in actions:
-            kind = type(action)
-            if kind is Deliver:  # the hot path: one per output
-                deliver = cast("Deliver", action)
-                cast("RequestStream", deliver.handle)._deliver(deliver.output)
-            elif kind is QueueRaw:
-                self._raw._put(cast("QueueRaw", action).outputs)
+            if type(action) is tuple:  # Deliver, the hot path: one per output
+                action[0]._deliver(action[1])  # type: ignore[attr-defined]
+            elif type(action) is QueueRaw:
+                raw = self._raw  # Mailbox._put, inlined (one per message)
+                raw._pending.append(action.outputs)
+                raw._wakeup.set()
             elif isinstance(action, ResolveCall):
                 call = action.handle
                 assert isinstance(call, _Call)
@@ -424,17 +423,21 @@ class EngineCoreClient(NamedUtilities):
         not pay a full scheduler pass per batch.
         """
         session = self._session
-        session.raw_api_used()
+        session.raw_called = True  # session.raw_api_used(), inlined: once per batch
+        raw = self._raw
+        if raw._pending:  # nothing to wait for: no waiter to count
+            return await raw.__anext__()  # never StopAsyncIteration: raw never ends
         session.raw_waiters += 1
         try:
-            return await self._raw.receive()
+            return await raw.__anext__()
         finally:
             session.raw_waiters -= 1
 
     def get_output_nowait(self) -> EngineCoreOutputs:
         """The next queued batch, or ``anyio.WouldBlock``; not a checkpoint."""
-        self._session.raw_api_used()
-        return self._raw.receive_nowait()
+        self._session.raw_called = True  # session.raw_api_used(), inlined
+        pending = self._raw._pending
+        return pending.popleft() if pending else self._raw.receive_nowait()
 
     async def abort_requests(self, request_ids: Iterable[str], *, rank: int | None = None) -> None:
         """Abort requests by id (vLLM's abort_requests).

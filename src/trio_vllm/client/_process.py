@@ -20,6 +20,7 @@ import collections
 import contextlib
 import logging
 import os
+import re
 import signal
 import subprocess
 from typing import TYPE_CHECKING
@@ -42,13 +43,15 @@ _FINAL_DRAIN_S = 0.03
 _KILL_WAIT_S = 5.0
 
 _log = logging.getLogger("trio_vllm.client")
+# vLLM names a data-parallel engine core's process EngineCore_DP<global rank>.
+_DP_PREFIX = re.compile(r"\(\S*?_DP(\d+)\S* pid=\d+\)")
 
 
 class EngineProcess:
     """One spawned engine (or launcher) process serving ``ranks``.
 
-    Created by :func:`spawn_engine_process`. The owner runs :meth:`watch` in its task
-    group and calls :meth:`stop` (shielded) at the end.
+    Created by `spawn_engine_process`. The owner runs `watch` in its task
+    group and calls `stop` (shielded) at the end.
     """
 
     def __init__(self, process: anyio.abc.Process, *, name: str, ranks: Sequence[int]) -> None:
@@ -61,9 +64,15 @@ class EngineProcess:
         self.returncode: int | None = None
         self.exited = anyio.Event()
         self._eof = anyio.Event()
-        # A launcher serving several ranks logs under its first rank.
+        # A launcher serving several ranks logs under its first rank, except the lines
+        # its engine cores and workers prefix with their rank ("(EngineCore_DP1 pid=7)").
         self._engine_log = logging.getLogger(
             f"{ENGINE_LOGGER}.{self.ranks[0] if self.ranks else name}"
+        )
+        self._rank_logs = (
+            {r: logging.getLogger(f"{ENGINE_LOGGER}.{r}") for r in self.ranks}
+            if len(self.ranks) > 1
+            else {}
         )
 
     def __repr__(self) -> str:
@@ -107,7 +116,10 @@ class EngineProcess:
 
     def _line(self, line: str) -> None:
         self._tail.append(line)
-        forward_engine_line(self._engine_log, line, self.pid)
+        log = self._engine_log
+        if self._rank_logs and (match := _DP_PREFIX.match(line)):
+            log = self._rank_logs.get(int(match.group(1)), log)
+        forward_engine_line(log, line, self.pid)
 
     async def _drain(self) -> None:
         stream = self.process.stdout

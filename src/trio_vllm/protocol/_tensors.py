@@ -2,7 +2,7 @@
 
 torch is imported lazily, the first time a torch-layout tensor is decoded or encoded, so
 ``import trio_vllm`` and every message without tensors work where torch is missing. That
-first import can take seconds; call :func:`torch_available` at startup to pay for it
+first import can take seconds; call `torch_available` at startup to pay for it
 outside the receive path.
 
 Decoding never copies an aux frame: numpy arrays are read-only views of the frame and
@@ -60,9 +60,9 @@ class TensorLike(abc.ABC):  # noqa: B024 - a marker ABC without methods on purpo
     """Marker type of tensor-valued fields.
 
     A decoded tensor is a ``torch.Tensor`` when torch is importable, else a read-only
-    ``numpy.ndarray`` when numpy has the dtype, else a :class:`RawTensor` (bfloat16 and
+    ``numpy.ndarray`` when numpy has the dtype, else a `RawTensor` (bfloat16 and
     float8 without torch). ``torch.Tensor`` (registered lazily), ``numpy.ndarray`` and
-    :class:`RawTensor` are virtual subclasses.
+    `RawTensor` are virtual subclasses.
     """
 
 
@@ -324,7 +324,7 @@ def _torch_from_buffer(torch: Any, dtype: str, shape: tuple[int, ...], buf: memo
 
 
 def decode_tensor(obj: Any, aux: Sequence[Any] | None) -> Any:
-    """Decode a torch-layout triple: torch tensor, else ndarray, else :class:`RawTensor`."""
+    """Decode a torch-layout triple: torch tensor, else ndarray, else `RawTensor`."""
     dtype, shape, data = _check_triple(obj)
     buf = resolve_buffer(data, aux)
     # Be lenient on receipt: a peer may label a tensor field with a numpy dtype string.

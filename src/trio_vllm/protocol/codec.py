@@ -1,22 +1,22 @@
 """Frames <-> messages, for both ends of the input and output sockets (sans-I/O).
 
-* :class:`ClientCodec` (the frontend): encodes ADD / ABORT / UTILITY / START_DP_WAVE into
+* `ClientCodec` (the frontend): encodes ADD / ABORT / UTILITY / START_DP_WAVE into
   the frames that follow the routing identity, ``[type byte][main][aux...]``, and decodes
   what arrives on the output socket (``[main][aux...]`` or the single
-  ``ENGINE_CORE_DEAD`` frame) into :class:`EngineCoreOutputs`.
-* :class:`EngineCodec` (an engine, e.g. the reference engine): the mirror image.
+  ``ENGINE_CORE_DEAD`` frame) into `EngineCoreOutputs`.
+* `EngineCodec` (an engine, e.g. the reference engine): the mirror image.
 * Module functions for the startup messages: the ready response and the handshake's
   HELLO, init metadata and READY.
 
-Both codecs are built for one :class:`~.profiles.ProtocolProfile` and build their msgspec
+Both codecs are built for one `ProtocolProfile` and build their msgspec
 encoders/decoders once; reuse them. They are not thread-safe (one call at a time), and
 never block or await.
 
-Errors: every decoding failure raises :class:`~trio_vllm.ProtocolError` (or its subclass
-:class:`~trio_vllm.InsecureSerializationError` for a pickle payload that was not allowed),
+Errors: every decoding failure raises `ProtocolError` (or its subclass
+`InsecureSerializationError` for a pickle payload that was not allowed),
 naming the message and what was wrong; never another exception type. Encoding a request
 that would break a stock engine raises ``ValueError`` before any byte is produced (see
-:mod:`.validation`).
+`validation`).
 
 Zero copy: frames may be ``bytes``, ``memoryview``, ``bytearray`` or objects exposing
 ``.buffer`` or the buffer protocol (``zmq.Frame``). Arrays and tensors that arrive in aux
@@ -88,7 +88,7 @@ DEFAULT_INLINE_THRESHOLD: Final = 256
 Frame: TypeAlias = Any
 #: An encoded frame: bytes, or a memoryview of an array/tensor (aux frames).
 OutgoingFrame: TypeAlias = bytes | memoryview
-#: What :meth:`EngineCodec.decode_input` returns.
+#: What `EngineCodec.decode_input` returns.
 InputMessage: TypeAlias = EngineCoreRequest | AbortRequests | UtilityCall | StartDPWave
 
 _EXT_PICKLE: Final = 1
@@ -588,7 +588,7 @@ class ClientCodec(_CodecBase):
         """``[ADD][EngineCoreRequest][aux...]`` for ``request``.
 
         Validates first (``ValueError`` for anything that would wedge or kill a stock
-        engine, docs/protocol.md §3.7/§10; see :func:`.validate_request`). Uniqueness of
+        engine, docs/protocol.md §3.7/§10; see `validate_request`). Uniqueness of
         ``request_id`` among live requests is the caller's to guarantee.
         """
         if not isinstance(request, EngineCoreRequest):
@@ -675,9 +675,9 @@ class ClientCodec(_CodecBase):
     def decode_outputs(self, frames: Sequence[Frame]) -> EngineCoreOutputs | EngineCoreDead:
         """Decode one output-socket message: ``[main][aux...]``.
 
-        Returns :class:`EngineCoreOutputs`, or the :class:`EngineCoreDead` singleton for
-        the single ``ENGINE_CORE_DEAD`` frame. Raises :class:`~trio_vllm.ProtocolError`
-        for anything else (and :class:`~trio_vllm.InsecureSerializationError` for pickle
+        Returns `EngineCoreOutputs`, or the `EngineCoreDead` singleton for
+        the single ``ENGINE_CORE_DEAD`` frame. Raises `ProtocolError`
+        for anything else (and `InsecureSerializationError` for pickle
         payloads or typed utility results that were not allowed).
         """
         try:
@@ -753,7 +753,7 @@ class EngineCodec(_CodecBase):
     """An engine's codec for one profile: decodes client->engine input, encodes outputs.
 
     Decoding accepts what a stock engine of that release accepts (extra trailing array
-    elements are ignored); every failure is a :class:`~trio_vllm.ProtocolError`.
+    elements are ignored); every failure is a `ProtocolError`.
     """
 
     def __init__(
@@ -821,7 +821,7 @@ class EngineCodec(_CodecBase):
             self._aux_in = None
 
     def convert_lora_request(self, value: Any) -> LoRARequest:
-        """A decoded ``add_lora`` argument (a plain array) as a :class:`LoRARequest`."""
+        """A decoded ``add_lora`` argument (a plain array) as a `LoRARequest`."""
         try:
             wire = msgspec.convert(value, self._lora_decoder_type)
             if self._layouts.lora_wire is not None:

@@ -4,10 +4,10 @@ The machine is fed ``(identity, payload)`` pairs as they arrive on the two
 sockets that take part in startup and answers with a list of events; it never
 touches a socket, a clock or a task:
 
-* :meth:`ClientHandshake.receive_handshake` for messages on the handshake ROUTER
-  (``HELLO``, ``READY``). A ``HELLO`` yields :class:`SendInitMetadata`, the one
+* `ClientHandshake.receive_handshake` for messages on the handshake ROUTER
+  (``HELLO``, ``READY``). A ``HELLO`` yields `SendInitMetadata`, the one
   reply the caller must send back to that identity.
-* :meth:`ClientHandshake.receive_input` for messages on the input ROUTER during
+* `ClientHandshake.receive_input` for messages on the input ROUTER during
   startup (the EngineCoreReadyResponse, one per engine).
 
 Rules of this file:
@@ -18,10 +18,10 @@ Rules of this file:
   learns the input address from our reply).
 * Every error of docs/protocol.md §2.4 (unexpected rank, local/headless mismatch, a
   message in the wrong state, undecodable payloads, engines disagreeing on
-  ``parallel_config_hash`` or ``vllm_version``) raises :class:`ProtocolError` and
+  ``parallel_config_hash`` or ``vllm_version``) raises `ProtocolError` and
   moves the machine to ``ERROR``; any later use raises again. The caller turns that
-  into an :class:`~trio_vllm.EngineStartupError`.
-* Timeouts belong to the caller; :meth:`ClientHandshake.describe_waiting` says what
+  into an `EngineStartupError`.
+* Timeouts belong to the caller; `ClientHandshake.describe_waiting` says what
   is still missing, for its error message.
 """
 
@@ -64,7 +64,7 @@ def identity_for_rank(rank: int) -> bytes:
 
 
 def rank_for_identity(identity: bytes) -> int:
-    """Inverse of :func:`identity_for_rank`; :class:`ProtocolError` for anything else."""
+    """Inverse of `identity_for_rank`; `ProtocolError` for anything else."""
     if len(identity) != 2:
         raise ProtocolError(
             f"unexpected routing identity {identity.hex() or '(empty)'}: "
@@ -294,8 +294,8 @@ class ClientHandshake:
     def receive_handshake(self, identity: bytes, payload: bytes) -> list[HandshakeEvent]:
         """Feed one ``[identity][payload]`` message from the handshake ROUTER.
 
-        Returns the events it caused; a :class:`SendInitMetadata` among them must be
-        sent. Raises :class:`ProtocolError` (and enters ``ERROR``) on any violation.
+        Returns the events it caused; a `SendInitMetadata` among them must be
+        sent. Raises `ProtocolError` (and enters ``ERROR``) on any violation.
         """
         self._check_usable()
         try:

@@ -1,10 +1,10 @@
 """Sans-I/O data-parallel bookkeeping: which engine gets a request, and DP waves.
 
-:class:`LoadBalancer` picks the engine for each request (docs/protocol.md §7.3): a pinned
+`LoadBalancer` picks the engine for each request (docs/protocol.md §7.3): a pinned
 rank if given, else the least loaded live rank, where load is
 ``max(own in-flight count, waiting + running from the engine's latest
 scheduler_stats)``; ties go to the lowest rank (deterministic; vLLM rotates its
-start index instead, which only matters for ties). :class:`WaveTracker` is
+start index instead, which only matters for ties). `WaveTracker` is
 the DP coordinator's wave role for MoE engines without a coordinator process
 (§7.4/§7.5): it says when START_DP_WAVE must go to which ranks.
 

@@ -126,17 +126,20 @@ class DeathRecord:
 
 
 # ---------------------------------------------------------------------- actions
-# Plain slotted classes (not frozen dataclasses): Deliver is made once per output.
+# Plain slotted classes (not frozen dataclasses), made at most once per message.
 
 
-class Deliver:
-    """Hand ``output`` to the stream ``handle`` (the shell's object, opaque here)."""
+class Deliver(tuple[object, "EngineCoreOutput"]):
+    """``(handle, output)``: hand ``output`` to the stream ``handle`` (the shell's
+    object, opaque here). The hot path, one per output: :meth:`ClientSession.receive`
+    appends plain 2-tuples of this shape (a tuple costs a tenth of an object), which
+    the shell tells from the other actions by ``type(action) is tuple``; this class
+    only names the shape (``Deliver(handle, output)`` builds one for tests)."""
 
-    __slots__ = ("handle", "output")
+    __slots__ = ()
 
-    def __init__(self, handle: object, output: EngineCoreOutput) -> None:
-        self.handle = handle
-        self.output = output
+    def __new__(cls, handle: object, output: EngineCoreOutput) -> Deliver:
+        return super().__new__(cls, (handle, output))
 
 
 class QueueRaw:
@@ -218,8 +221,8 @@ class Died:
 
 
 Action = (
-    Deliver | QueueRaw | ResolveCall | FailCall | FailRequest | EmitEvent | SendWave
-    | RankDrained | Died
+    tuple[object, "EngineCoreOutput"] | QueueRaw | ResolveCall | FailCall | FailRequest
+    | EmitEvent | SendWave | RankDrained | Died
 )  # fmt: skip
 
 
@@ -282,6 +285,7 @@ class ClientSession:
         self._call_ids = itertools.count(random.getrandbits(62) + 1)
         self._clock = clock
         self._raw_interest_until = -1.0
+        self.raw_called = False  # get_output / add_request since the last check
         self.raw_waiters = 0  # get_output calls waiting now (the shell counts them)
         self.death: DeathRecord | None = None
         self._noticed: list[tuple[tuple[int, ...] | None, str, BaseException | None]] = []
@@ -643,13 +647,19 @@ class ClientSession:
     # ------------------------------------------------------------------ raw interest
 
     def raw_api_used(self) -> None:
-        """add_request / get_output was called: stats-only batches are queued a while."""
-        self._raw_interest_until = self._clock() + RAW_INTEREST_S
+        """add_request / get_output was called: stats-only batches are queued a while.
+        (Cheap: a flag; the window is timed from the next stats-only batch, so the
+        call costs no clock read.)"""
+        self.raw_called = True
 
     def _raw_interest(self) -> bool:
-        return (
-            self._raw_live > 0 or self.raw_waiters > 0 or self._clock() < self._raw_interest_until
-        )
+        if self._raw_live > 0 or self.raw_waiters > 0:
+            return True
+        now = self._clock()
+        if self.raw_called:
+            self.raw_called = False
+            self._raw_interest_until = now + RAW_INTEREST_S
+        return now < self._raw_interest_until
 
     # ------------------------------------------------------------------ utility calls
 
@@ -740,7 +750,7 @@ class ClientSession:
                 continue  # a late output of an aborted or finished request (§3.4)
             final = output.finish_reason is not None
             if req.handle is not None:
-                actions.append(Deliver(req.handle, output))
+                actions.append((req.handle, output))  # Deliver
                 if final:
                     actions.extend(self._release(req))
             else:

@@ -4,7 +4,7 @@ Field names, order and defaults are vLLM's. Each class holds the *union* of the 
 of the supported releases, laid out as the newest release (0.33.0) does; a field that
 only an older release has (``LoRARequest.tensorizer_config_dict``, 0.25.1) is appended
 at the end. What a given release actually puts on the wire (array lengths, positions,
-map keys) is described by its :class:`~trio_vllm.protocol.profiles.ProtocolProfile`;
+map keys) is described by its `ProtocolProfile`;
 the codec converts, so code above the codec only ever sees these classes.
 
 Every field except ``request_id`` has a default, so requests read naturally::
@@ -12,11 +12,11 @@ Every field except ``request_id`` has a default, so requests read naturally::
     EngineCoreRequest("r1", prompt_token_ids=[1, 2, 3],
                       sampling_params=SamplingParams(max_tokens=8, temperature=0))
 
-Constructing a struct never validates; :func:`~trio_vllm.protocol.validation.validate_request`
+Constructing a struct never validates; `validate_request`
 (run by the codec before encoding an ADD) does.
 
 Tensor fields hold a ``torch.Tensor``, a ``numpy.ndarray`` or a
-:class:`~trio_vllm.protocol.RawTensor`; see ``_tensors.py`` for what decoding returns.
+`RawTensor`; see ``_tensors.py`` for what decoding returns.
 """
 
 from __future__ import annotations

@@ -7,7 +7,11 @@ engine-core protocol through :mod:`trio_vllm.protocol`, runs a tiny torch transf
 faults on demand.
 
 Importing this package imports neither torch nor zmq; the constants below are what a
-client needs to talk to its models.
+client needs to talk to its models. :data:`MODEL_DIR` is the path of a model directory
+for the engine's vocabulary (a byte-level ``tokenizer.json``, a ChatML-like chat template,
+EOS 257), so a text frontend works out of the box: ``open_llm(ReferenceEngines(),
+model=MODEL_DIR)``. ``--model-dir DIR`` makes the engine take its vocabulary size from
+another model's ``config.json`` (the echo model works with any vocabulary).
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ from ._model import HIDDEN_SIZE as HIDDEN_SIZE
 from ._model import PAD_TOKEN_ID as PAD_TOKEN_ID
 from ._model import UNK_TOKEN_ID as UNK_TOKEN_ID
 from ._model import VOCAB_SIZE as VOCAB_SIZE
+from ._model_dir import MODEL_DIR as MODEL_DIR
 
 __all__ = [
     "BOS_TOKEN_ID",
     "EOS_TOKEN_ID",
     "HIDDEN_SIZE",
+    "MODEL_DIR",
     "PAD_TOKEN_ID",
     "UNK_TOKEN_ID",
     "VOCAB_SIZE",

@@ -11,7 +11,7 @@ generated text repeats the prompt from its start, and on prompt positions the mo
 predicts the actual next prompt token. Its logits are ``0.0`` for that token and
 ``-100.0`` for every other id, so greedy and seeded sampling at any temperature pick it
 (unless a processor masks it). At a ``prompt_embeds`` position the prompt "token" is
-``int(round(e[0])) mod 260`` of that position's embedding vector ``e``. Its hidden state
+``int(round(e[0])) mod vocab_size`` of that position's embedding vector ``e``. Its hidden state
 at a position is the one-hot vector of ``token mod HIDDEN_SIZE``. The echo model never
 imports torch.
 
@@ -68,6 +68,7 @@ class Sequence:
     num_prompt_tokens: int
     prompt_embeds: npt.NDArray[np.float32] | None = None
     embed_mask: npt.NDArray[np.bool_] | None = None
+    vocab_size: int = VOCAB_SIZE
     _echo_prompt: list[int] | None = field(default=None, repr=False)
 
     def echo_prompt(self) -> list[int]:
@@ -76,7 +77,7 @@ class Sequence:
             prompt = list(self.token_ids[: self.num_prompt_tokens])
             if self.prompt_embeds is not None and self.embed_mask is not None:
                 for pos in np.flatnonzero(self.embed_mask):
-                    prompt[int(pos)] = round(float(self.prompt_embeds[pos, 0])) % VOCAB_SIZE
+                    prompt[int(pos)] = round(float(self.prompt_embeds[pos, 0])) % self.vocab_size
             self._echo_prompt = prompt
         return self._echo_prompt
 
@@ -110,13 +111,18 @@ class Model(Protocol):
 
 
 class EchoModel:
-    """The deterministic model described in the module docstring (no torch)."""
+    """The deterministic model described in the module docstring (no torch).
+
+    ``vocab_size`` only sets the logits' width (``--model-dir``): echoing works for any.
+    """
 
     name = "echo"
     dtype = "float32"
     device = "cpu"
-    vocab_size = VOCAB_SIZE
     hidden_size = HIDDEN_SIZE
+
+    def __init__(self, vocab_size: int = VOCAB_SIZE) -> None:
+        self.vocab_size = vocab_size
 
     def next_token(self, seq: Sequence) -> int:
         prompt = seq.echo_prompt()
@@ -128,7 +134,7 @@ class EchoModel:
         return [self.next_token(seq) for seq in seqs]
 
     def next_token_logits(self, seqs: list[Sequence]) -> npt.NDArray[np.float32]:
-        logits = np.full((len(seqs), VOCAB_SIZE), _ECHO_OTHER_LOGIT, dtype=np.float32)
+        logits = np.full((len(seqs), self.vocab_size), _ECHO_OTHER_LOGIT, dtype=np.float32)
         for row, seq in enumerate(seqs):
             logits[row, self.next_token(seq)] = 0.0
         return logits
@@ -136,7 +142,7 @@ class EchoModel:
     def prompt_logits(self, seq: Sequence) -> npt.NDArray[np.float32]:
         prompt = seq.echo_prompt()
         p = len(prompt)
-        logits = np.full((p, VOCAB_SIZE), _ECHO_OTHER_LOGIT, dtype=np.float32)
+        logits = np.full((p, self.vocab_size), _ECHO_OTHER_LOGIT, dtype=np.float32)
         for pos in range(p):
             logits[pos, prompt[(pos + 1) % p]] = 0.0
         return logits
@@ -174,15 +180,17 @@ class TinyModel:
     """A 2-layer transformer built in torch from a fixed seed (see the module docstring)."""
 
     name = "tiny"
-    vocab_size = VOCAB_SIZE
     hidden_size = HIDDEN_SIZE
     num_layers = 2
     num_heads = 4
 
-    def __init__(self, *, seed: int, device: str, max_model_len: int) -> None:
+    def __init__(
+        self, *, seed: int, device: str, max_model_len: int, vocab_size: int = VOCAB_SIZE
+    ) -> None:
         import torch
 
         self._torch = torch
+        self.vocab_size = vocab_size
         self.seed = seed
         self.device = device
         self.dtype = "float32"
@@ -193,7 +201,7 @@ class TinyModel:
     def _build(self) -> None:
         torch = self._torch
         gen = torch.Generator().manual_seed(self.seed)
-        h, v = HIDDEN_SIZE, VOCAB_SIZE
+        h, v = HIDDEN_SIZE, self.vocab_size
 
         def normal(*shape: int, std: float) -> Any:
             return torch.randn(*shape, generator=gen) * std
@@ -223,7 +231,8 @@ class TinyModel:
         assert self._params is not None, "weights are discarded (sleep level 2)"
         lengths = [len(s.token_ids) for s in seqs]
         width = max(lengths)
-        ids = torch.full((len(seqs), width), PAD_TOKEN_ID, dtype=torch.long)
+        pad = min(PAD_TOKEN_ID, self.vocab_size - 1)
+        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
         for row, seq in enumerate(seqs):
             ids[row, : lengths[row]] = torch.tensor(seq.token_ids, dtype=torch.long)
         x = self._params["embed"][ids.to(self.device)]
@@ -276,6 +285,7 @@ class TinyModel:
             seq.num_prompt_tokens,
             seq.prompt_embeds,
             seq.embed_mask,
+            seq.vocab_size,
         )
         with self._torch.inference_mode():
             x, _ = self._inputs([prompt_only])
@@ -337,13 +347,20 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_model(name: str, *, seed: int, device: str, max_model_len: int) -> Model:
+def load_model(
+    name: str, *, seed: int, device: str, max_model_len: int, vocab_size: int = VOCAB_SIZE
+) -> Model:
     """Build the model named by ``--model``; torch is imported only for ``tiny``."""
     if name == "echo":
-        return EchoModel()
+        return EchoModel(vocab_size)
     if name == "tiny":
         import torch
 
         torch.set_num_threads(1)
-        return TinyModel(seed=seed, device=resolve_device(device), max_model_len=max_model_len)
+        return TinyModel(
+            seed=seed,
+            device=resolve_device(device),
+            max_model_len=max_model_len,
+            vocab_size=vocab_size,
+        )
     raise ValueError(f"unknown model {name!r} (choose echo or tiny)")

@@ -6,6 +6,9 @@ import argparse
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ._model import EOS_TOKEN_ID, VOCAB_SIZE
+from ._model_dir import read_model_config
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -40,6 +43,9 @@ class EngineOptions:
     seed: int = 0
     max_num_seqs: int = 128
     max_model_len: int = 2048
+    model_dir: str | None = None
+    vocab_size: int = 260
+    eos_token_id: int = 257
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     num_gpu_blocks: int | None = None
@@ -108,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", choices=("tiny", "echo"), default="tiny",
                    help="tiny: 2-layer transformer from --seed; echo: next token = "
                         "s[len(s) mod len(prompt)] (default tiny)")
+    m.add_argument("--model-dir", metavar="DIR", default=None,
+                   help="take vocab_size (and max_model_len, unless given, from "
+                        "max_position_embeddings) and eos_token_id from DIR/config.json, "
+                        "so the engine stands in for that model's tokenizer")
     m.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the tiny model runs; auto = cuda when available")
     m.add_argument("--seed", type=int, default=0,
@@ -116,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what get_supported_tasks reports and accepts (default: all)")
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=int, default=128)
-    s.add_argument("--max-model-len", type=int, default=2048)
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the --model-dir's "
+                        "max_position_embeddings, else 2048)")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget per step (prefills are chunked to fit)")
     s.add_argument("--block-size", type=int, default=16)
@@ -188,6 +200,19 @@ def parse_options(argv: Sequence[str] | None = None) -> EngineOptions:
         parser.error("--parent-pid must be a process id > 0")
     if not 0 <= ns.index < 1 << 16:
         parser.error("--index must fit 2 bytes")
+    vocab_size, eos_token_id, max_model_len = VOCAB_SIZE, EOS_TOKEN_ID, 2048
+    if ns.model_dir is not None:
+        try:
+            vocab_size, positions, eos = read_model_config(ns.model_dir)
+        except ValueError as exc:
+            parser.error(f"--model-dir: {exc}")
+        max_model_len = positions or max_model_len
+        # The dir's own EOS; else ours when it fits the vocabulary (echo keeps working).
+        eos_token_id = eos if eos is not None else min(EOS_TOKEN_ID, vocab_size - 1)
+    if ns.max_model_len is not None:
+        max_model_len = ns.max_model_len
+    if max_model_len < 2:
+        parser.error("--max-model-len must be >= 2")
     return EngineOptions(
         handshake_address=ns.handshake_address,
         input_addresses=ns.input_address,
@@ -198,7 +223,10 @@ def parse_options(argv: Sequence[str] | None = None) -> EngineOptions:
         device=ns.device,
         seed=ns.seed,
         max_num_seqs=ns.max_num_seqs,
-        max_model_len=ns.max_model_len,
+        max_model_len=max_model_len,
+        model_dir=ns.model_dir,
+        vocab_size=vocab_size,
+        eos_token_id=eos_token_id,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         block_size=ns.block_size,
         num_gpu_blocks=ns.num_gpu_blocks,

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zmq
 
-from ._model import VOCAB_SIZE, Sequence, load_model
+from ._model import Sequence, load_model
 from ._sampler import SamplingState
 from ._scheduler import (
     ClientBatch,
@@ -268,7 +268,11 @@ class EngineServer:
         opts = self.options
         try:
             self.model = load_model(
-                opts.model, seed=opts.seed, device=opts.device, max_model_len=opts.max_model_len
+                opts.model,
+                seed=opts.seed,
+                device=opts.device,
+                max_model_len=opts.max_model_len,
+                vocab_size=opts.vocab_size,
             )
         except ModuleNotFoundError as exc:
             if exc.name != "torch":
@@ -712,8 +716,9 @@ class EngineServer:
                 ids = [0] * n
         if not ids:
             raise ValueError("the prompt is empty")
-        if any(not 0 <= t < VOCAB_SIZE for t in ids):
-            raise ValueError(f"token id out of vocabulary [0, {VOCAB_SIZE})")
+        vocab = self.model.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"token id out of vocabulary [0, {vocab})")
         limit = opts.max_model_len if pp is not None else opts.max_model_len - 1
         if len(ids) > limit:
             raise ValueError(
@@ -728,7 +733,7 @@ class EngineServer:
             except UtilityError as exc:
                 raise ValueError(str(exc)) from exc
             lora_name = req.lora_request.lora_name
-        seq = Sequence(list(ids), len(ids), embeds, mask)
+        seq = Sequence(list(ids), len(ids), embeds, mask, self.model.vocab_size)
         common: dict[str, Any] = {
             "request_id": req.request_id,
             "client_index": req.client_index,

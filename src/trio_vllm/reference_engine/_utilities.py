@@ -54,14 +54,16 @@ class _Worker:
     def reference_engine_info(self) -> dict[str, Any]:
         """Reference engine only: the model facts a client needs (eos id, vocab, hidden)."""
         model = self._server.model
-        from ._model import BOS_TOKEN_ID, EOS_TOKEN_ID
+        from ._model import BOS_TOKEN_ID
 
+        opts = self._server.options
         return {
             "model": model.name,
             "vocab_size": model.vocab_size,
             "hidden_size": model.hidden_size,
-            "bos_token_id": BOS_TOKEN_ID,
-            "eos_token_id": EOS_TOKEN_ID,
+            "bos_token_id": BOS_TOKEN_ID if opts.model_dir is None else None,
+            "eos_token_id": opts.eos_token_id,
+            "model_dir": opts.model_dir,
             "device": model.device,
             "dtype": model.dtype,
         }

@@ -8,7 +8,8 @@ so ``pip install 'trio-vllm[testing]'`` is all a project needs.
 
 The names are imported on first use: pytest loads the plugin, and with it this
 package, in every run wherever trio-vllm is installed, and most runs use no engine.
-The kit itself needs trio (``trio.testing``, which imports pytest), never torch.
+The kit never imports torch; ``trio.testing`` (the virtual clock) imports pytest when
+it is installed, and the kit works without it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each raises ``AssertionError`` with a message that says what was left behind, so they
 work as plain test assertions and as checks for
-:func:`~trio_vllm.testing.check_cancellation`.
+`check_cancellation`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Virtual time next to real engine processes.
 
-trio's :class:`~trio.testing.MockClock` makes a test's own timers (back-off sleeps,
+trio's `MockClock` makes a test's own timers (back-off sleeps,
 deadlines) deterministic, but engine processes live in real time. The kit therefore
 switches a mock clock to real time (``rate=1``, no autojump) for the moments it waits on
 an engine itself: startup, shutdown, control commands and settle polls. Outside those
@@ -73,7 +73,7 @@ def engine_mock_clock(autojump_threshold: float = 0.25) -> trio.testing.MockCloc
     well above the engine's response time (a few ms on an idle machine): a wait on the
     engine that lasts longer than the threshold lets virtual time leap to the next
     pending deadline, which can fire a timeout early. Each virtual sleep costs that
-    many real seconds. The kit's own waits run in real time (see :func:`real_time`).
+    many real seconds. The kit's own waits run in real time (see `real_time`).
 
     Pass it to ``trio.run(..., clock=...)``, return it from a fixture (pytest-trio uses
     any fixture whose value is a clock), or from ``anyio_backend`` as

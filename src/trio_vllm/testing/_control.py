@@ -1,6 +1,6 @@
 """The engine's side, reached from inside a test: the reference engine's control socket.
 
-Each engine started by :func:`~trio_vllm.testing.open_reference_engines` binds a REP
+Each engine started by `open_reference_engines` binds a REP
 socket (``--control-address``) that serves JSON commands while the client uses the
 engine: kill it, make it send ``ENGINE_CORE_DEAD``, stall it, send a garbage frame, delay
 its outputs, fail a utility, or report what it is running.
@@ -64,7 +64,7 @@ class EngineStatus:
 class EngineControl:
     """A handle on one running reference engine (one data-parallel rank).
 
-    Obtained from a :class:`~trio_vllm.testing.ReferenceEngineSet` (or the
+    Obtained from a `ReferenceEngineSet` (or the
     ``engine_control`` fixture). Every command is one request/reply on the engine's
     control socket, served by the engine between two steps, so it takes effect at once
     and in order with the engine's own work. Commands work on trio and asyncio, run in
@@ -153,7 +153,7 @@ class EngineControl:
         await self.command("fail_utility", name=name)
 
     async def unfail_utility(self, name: str) -> None:
-        """Undo :meth:`fail_utility`."""
+        """Undo `fail_utility`."""
         await self.command("unfail_utility", name=name)
 
     async def shutdown(self) -> None:

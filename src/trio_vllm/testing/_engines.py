@@ -35,7 +35,7 @@ class EngineConfig:
         faults: fault flags fixed at startup, passed verbatim, e.g.
             ``("--die-after-steps", "3")`` (see
             ``python -m trio_vllm.reference_engine --help``). Run-time faults go
-            through :class:`EngineControl` instead.
+            through `EngineControl` instead.
         extra_args: more engine command-line arguments, verbatim.
         device: torch device for ``model="tiny"`` (default: the engine's choice).
         transport: ``"ipc"`` or ``"tcp"`` (loopback) between client and engines.
@@ -92,12 +92,12 @@ class _ControlledReferenceEngines(ReferenceEngines):
 class ReferenceEngineSet:
     """Running reference engines, the client connected to them, and their controls.
 
-    Created by :func:`open_reference_engines` (or the ``reference_engines`` fixture).
+    Created by `open_reference_engines` (or the ``reference_engines`` fixture).
 
     Attributes:
-        client: the connected :class:`~trio_vllm.client.EngineCoreClient`.
-        controls: one :class:`EngineControl` per rank, in rank order.
-        config: the :class:`EngineConfig` the engines were started with.
+        client: the connected `EngineCoreClient`.
+        controls: one `EngineControl` per rank, in rank order.
+        config: the `EngineConfig` the engines were started with.
     """
 
     def __init__(
@@ -162,13 +162,13 @@ async def open_reference_engines(
 ) -> AsyncIterator[ReferenceEngineSet]:
     """Start reference engines with control sockets, connect a client, yield the set.
 
-    ``config`` (default :class:`EngineConfig()`) with ``changes`` applied, e.g.
+    ``config`` (default `EngineConfig()`) with ``changes`` applied, e.g.
     ``open_reference_engines(count=2, protocol="0.25.1")``. Startup and shutdown run in
     real time under a trio ``MockClock``.
 
-    Raises :class:`~trio_vllm.EngineStartupError` if the engines do not start. On
+    Raises `EngineStartupError` if the engines do not start. On
     exit, by return, exception or cancellation, the client is closed and every engine
-    process stopped and reaped (see :func:`~trio_vllm.client.open_client`); exceptions
+    process stopped and reaped (see `open_client`); exceptions
     from the body propagate as they are. Enter and leave it in the same task (an async
     generator fixture does).
     """

@@ -1,6 +1,6 @@
 """Cancel user code at every checkpoint and check what it leaves behind.
 
-Design: the scenario's coroutine is driven by a thin stepping wrapper (:class:`_Stepper`)
+Design: the scenario's coroutine is driven by a thin stepping wrapper (`_Stepper`)
 that forwards every value the coroutine yields to the event loop, and everything the
 loop sends or throws back, unchanged, counting the yields. A yield is where a task
 gives control to the event loop: a checkpoint on trio (a schedule point or a block), an
@@ -118,7 +118,7 @@ class CheckpointRun:
 
 @dataclass(slots=True)
 class CancellationReport:
-    """What :func:`check_cancellation` found.
+    """What `check_cancellation` found.
 
     Attributes:
         checkpoints: yields counted in the first, uncancelled run.
@@ -471,10 +471,10 @@ async def check_cancellation(
         scenario: an async function without arguments (close over the client) that
             uses trio-vllm. It is called once per run, in the calling task.
         client: the client the scenario uses (taken from ``engines`` if that is a
-            :class:`~trio_vllm.testing.ReferenceEngineSet`).
+            `ReferenceEngineSet`).
         engines: reference engines to ask what they still run.
         checks: more invariants, called after every run with its
-            :class:`CheckpointRun`; a check fails by raising ``AssertionError``
+            `CheckpointRun`; a check fails by raising ``AssertionError``
             (sync or async). The ``assert_*`` helpers of this module fit.
         default_checks: check after every run that no request the run made is live
             on the client (``client-requests``), no utility call is pending
@@ -488,7 +488,7 @@ async def check_cancellation(
             clean (they stay listed as live on the client).
         allowed_exceptions: exceptions the scenario may raise without a violation.
 
-    Returns a :class:`CancellationReport`; call ``report.assert_ok()`` in a test.
+    Returns a `CancellationReport`; call ``report.assert_ok()`` in a test.
     The harness stops early (``report.stopped``) if a run leaves the client dead.
     Cancellation of the caller propagates at once. Works on trio and asyncio.
     """

@@ -2,12 +2,12 @@
 
 Fixtures (function scope):
 
-* ``reference_engine_config``: the :class:`~trio_vllm.testing.EngineConfig` for the test,
+* ``reference_engine_config``: the `EngineConfig` for the test,
   from the ``reference_engines`` marker and/or indirect parametrization;
-* ``reference_engines``: a running :class:`~trio_vllm.testing.ReferenceEngineSet`
+* ``reference_engines``: a running `ReferenceEngineSet`
   (engines, connected client, controls), stopped after the test;
 * ``engine_client``: its client; ``engine_control``: the control of its first engine;
-* ``engine_clock``: :func:`~trio_vllm.testing.engine_mock_clock` (pytest-trio uses any
+* ``engine_clock``: `engine_mock_clock` (pytest-trio uses any
   fixture whose value is a clock as the test's clock).
 
 The async fixture works under anyio's plugin (``@pytest.mark.anyio``, either backend)
@@ -48,9 +48,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def reference_engine_config(request: pytest.FixtureRequest) -> EngineConfig:
     """The engine configuration of this test.
 
-    Starts from :class:`EngineConfig` defaults, applies the closest
+    Starts from `EngineConfig` defaults, applies the closest
     ``@pytest.mark.reference_engines(**fields)`` marker, then an indirect parameter
-    (an :class:`EngineConfig`, which replaces the result so far, or a dict of fields).
+    (an `EngineConfig`, which replaces the result so far, or a dict of fields).
     Override the fixture to set project-wide defaults.
     """
     from ._engines import EngineConfig

@@ -11,7 +11,9 @@ Messages are normalized as vLLM's "string" content format does for text-only mod
 list of content parts becomes its text parts joined by ``"\\n"``, ``None`` content becomes
 ``""``; ``name``, an assistant's ``tool_calls`` (JSON ``arguments`` parsed into objects)
 and ``reasoning``, and a tool message's ``tool_call_id`` are kept; other keys are dropped.
-The rendered text is tokenized without special tokens (the template writes them).
+A template that does not name the ``developer`` role gets developer messages as system
+messages, merged into one first system message (vLLM's rule). The rendered text is
+tokenized without special tokens (the template writes them).
 jinja2 is imported on first use.
 """
 
@@ -57,7 +59,7 @@ def _text_of_parts(role: str, parts: Sequence[object]) -> str:
     return "\n".join(texts)
 
 
-def normalize_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+def normalize_messages(messages: Sequence[ChatMessage]) -> list[dict[str, object]]:
     """vLLM's conversation for a text-only model (see the module docstring).
 
     Raises :class:`~trio_vllm.InvalidRequestError` for a malformed message.
@@ -65,7 +67,7 @@ def normalize_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     given: object = messages  # callers from JSON may pass anything
     if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
         raise InvalidRequestError("messages must be a list of message objects")
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, object]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise InvalidRequestError(f"messages[{i}] must be an object")
@@ -93,6 +95,8 @@ def normalize_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             msg["tool_call_id"] = message["tool_call_id"]
         if isinstance(message.get("name"), str):
             msg["name"] = message["name"]
+        if role == "developer":
+            msg["tools"] = message.get("tools")
         out.append(msg)
     return out
 
@@ -155,12 +159,16 @@ def render_chat_template(
     tokenizer: Tokenizer | None = None,
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    documents: Sequence[Mapping[str, Any]] | None = None,
+    tools: Sequence[Mapping[str, object]] | None = None,
+    documents: Sequence[Mapping[str, object]] | None = None,
     chat_template_kwargs: Mapping[str, object] | None = None,
+    continue_final_message: bool = False,
 ) -> str:
     """The prompt text of a conversation (the model's template unless ``chat_template``).
 
+    ``continue_final_message`` (also accepted in ``chat_template_kwargs``, as vLLM passes
+    it) ends the text inside the last message instead of closing it, so generation
+    continues that message (transformers' rule; not with ``add_generation_prompt``).
     Raises :class:`~trio_vllm.InvalidRequestError` when there is no template, a message is
     malformed, or the template raises (``raise_exception``: its message is kept).
     """
@@ -178,7 +186,30 @@ def render_chat_template(
     for reserved in ("chat_template", "tokenize"):
         if reserved in kwargs:
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved!r}")
-    conversation = normalize_messages(messages)
+    continue_final_message = bool(kwargs.pop("continue_final_message", continue_final_message))
+    if "add_generation_prompt" in kwargs:
+        add_generation_prompt = bool(kwargs.pop("add_generation_prompt"))
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError(
+            "Cannot set both continue_final_message and add_generation_prompt to True."
+        )
+    conversation: list[dict[str, Any]] = normalize_messages(messages)
+    if any(m["role"] == "developer" for m in conversation) and not (
+        '"developer"' in template or "'developer'" in template
+    ):
+        # vLLM: a template without the role gets developer messages as one system message.
+        conversation = _developer_to_system(conversation)
+    final_message = ""
+    if continue_final_message:
+        if not conversation:
+            raise InvalidRequestError("continue_final_message needs a final message")
+        if "content" not in template:
+            raise InvalidRequestError(
+                'continue_final_message is set to "content" but this is not an accepted '
+                "field in the chat_template"
+            )
+        final_message = conversation[-1]["content"]
+        conversation[-1]["content"] = final_message + _CONTINUE_TAG
     compiled = _compile(template)
     context: dict[str, Any] = dict(tokenizer.special_tokens_map) if tokenizer else {}
     context.update(kwargs)
@@ -189,6 +220,46 @@ def render_chat_template(
         add_generation_prompt=add_generation_prompt,
     )
     try:
-        return compiled.render(**context)
+        rendered = compiled.render(**context)
     except jinja2.TemplateError as exc:
         raise InvalidRequestError(str(exc)) from exc
+    if not continue_final_message:
+        return rendered
+    # transformers: cut the text where the tag ended up, i.e. right after the final
+    # message's content (keeping its trailing spaces when the template kept the tag's).
+    tag = _CONTINUE_TAG.strip()
+    if final_message.strip() not in rendered or tag not in rendered:
+        raise InvalidRequestError(
+            "continue_final_message is set but the final message does not appear in the chat "
+            "after applying the chat template"
+        )
+    tag_loc = rendered.rindex(tag)
+    if rendered[tag_loc : tag_loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:tag_loc]
+    return rendered[:tag_loc].rstrip()
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _developer_to_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # vLLM's _convert_developer_to_system then _consolidate_system_messages.
+    converted = []
+    for msg in conversation:
+        if msg["role"] == "developer":
+            msg = {k: v for k, v in msg.items() if k != "tools"} | {"role": "system"}
+        converted.append(msg)
+    system_contents: list[str] = []
+    others: list[dict[str, Any]] = []
+    needs_merge = False
+    for i, msg in enumerate(converted):
+        if msg["role"] == "system":
+            if i > 0 or system_contents:
+                needs_merge = True
+            if msg.get("content"):
+                system_contents.append(msg["content"])
+        else:
+            others.append(msg)
+    if not needs_merge:
+        return converted
+    return [{"role": "system", "content": "\n\n".join(system_contents)}, *others]

@@ -127,12 +127,14 @@ class _TextDetokenizer(IncrementalDetokenizer):
         # Drop our reference while appending: with the local as the only one, CPython
         # grows the string in place instead of copying the whole text per token.
         text, self._text = self._text, ""
-        for token_id in new_token_ids:
-            token_ids.append(token_id)
-            text += decode_next(token_id)
-            if offsets is not None:
-                offsets.append(len(text))
-        self._text = text
+        try:
+            for token_id in new_token_ids:
+                token_ids.append(token_id)
+                text += decode_next(token_id)
+                if offsets is not None:
+                    offsets.append(len(text))
+        finally:  # an error from the tokenizer must not lose the text
+            self._text = text
 
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> str | None:
         if not new_token_ids:
@@ -154,6 +156,12 @@ class _TextDetokenizer(IncrementalDetokenizer):
                 token_offsets.append(len(self._text))
         if token_offsets is None or self.num_output_tokens() <= self.min_tokens:
             return None
+        return self._check_stop(token_offsets, num_prev_tokens, first_new_token_index)
+
+    def _check_stop(
+        self, token_offsets: list[int], num_prev_tokens: int, first_new_token_index: int
+    ) -> str | None:
+        """The stop-string step of :meth:`update` (past ``min_tokens``)."""
         text = self._text
         # Only text from tokens past min_tokens may hold a stop string (vllm#22014).
         stop_check_offset = token_offsets[max(self.min_tokens - num_prev_tokens, 0)]
@@ -169,7 +177,7 @@ class _TextDetokenizer(IncrementalDetokenizer):
         # Drop tokens generated after the one that completed the stop string (several
         # tokens can arrive in one step).
         num_kept = bisect_left(token_offsets, stop_end, lo=1)
-        del token_ids[first_new_token_index + num_kept :]
+        del self.token_ids[first_new_token_index + num_kept :]
         if truncate_to != -1:
             self._text = text[:truncate_to]
         return stop_string
@@ -187,12 +195,22 @@ class _TextDetokenizer(IncrementalDetokenizer):
         return ""
 
 
+_DECODE_STREAM: list[Any] = []
+
+
 def _decode_stream_class() -> Any:
-    try:
-        from tokenizers.decoders import DecodeStream
-    except ImportError:  # tokenizers < 0.21
-        return None
-    return DecodeStream
+    """``tokenizers.decoders.DecodeStream`` if it takes a prompt prefix (``ids=``), else
+    ``None`` (tokenizers without it get the slow path)."""
+    if not _DECODE_STREAM:
+        try:
+            from tokenizers.decoders import DecodeStream
+
+            DecodeStream(ids=[], skip_special_tokens=False)
+        except (ImportError, TypeError):  # tokenizers < 0.21, or without the prefix
+            _DECODE_STREAM.append(None)
+        else:
+            _DECODE_STREAM.append(DecodeStream)
+    return _DECODE_STREAM[0]
 
 
 class FastIncrementalDetokenizer(_TextDetokenizer):
@@ -232,44 +250,72 @@ class FastIncrementalDetokenizer(_TextDetokenizer):
         backend = self._backend
         step = self._step
         text, self._text = self._text, ""
-        for token_id in new_token_ids:
-            append(token_id)
-            try:
-                piece = step(backend, token_id)
-            except Exception as exc:
-                piece = self._recover(token_id, exc)
-                step = self._step
-            if piece:
-                text += piece
-            if offsets is not None:
-                offsets.append(len(text))
-        self._text = text
+        try:
+            for token_id in new_token_ids:
+                append(token_id)
+                try:
+                    piece = step(backend, token_id)
+                except Exception as exc:
+                    piece = self._recover(token_id, exc)
+                    step = self._step
+                if piece:
+                    text += piece
+                if offsets is not None:
+                    offsets.append(len(text))
+        finally:  # an error from the tokenizer must not lose the text
+            self._text = text
 
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> str | None:
-        if self.stop or not self.spaces_between_special_tokens or not new_token_ids:
+        if not self.spaces_between_special_tokens or not new_token_ids:
             return super().update(new_token_ids, stop_terminated)
-        # No stop strings, plain spacing (the common case): everything inlined.
+        # Plain spacing (the common case): the base class's update with the DecodeStream
+        # loop inlined, fewer calls per token.
         skipped: int | None = None
         if stop_terminated and not self.include_stop_str_in_output:
             skipped = new_token_ids[-1]
             new_token_ids = new_token_ids[:-1]
-        append = self.token_ids.append
+        token_ids = self.token_ids
+        first_new_token_index = len(token_ids)  # no prompt ids in token_ids on this path
+        append = token_ids.append
         backend = self._backend
         step = self._step
         text, self._text = self._text, ""
-        for token_id in new_token_ids:
-            append(token_id)
+        if not self.stop:
             try:
-                piece = step(backend, token_id)
-            except Exception as exc:
-                piece = self._recover(token_id, exc)
-                step = self._step
-            if piece:
-                text += piece
+                for token_id in new_token_ids:
+                    append(token_id)
+                    try:
+                        piece = step(backend, token_id)
+                    except Exception as exc:
+                        piece = self._recover(token_id, exc)
+                        step = self._step
+                    if piece:
+                        text += piece
+            finally:  # an error from the tokenizer must not lose the text
+                self._text = text
+            if skipped is not None:
+                append(skipped)
+            return None
+        offsets = [len(text)]
+        try:
+            for token_id in new_token_ids:
+                append(token_id)
+                try:
+                    piece = step(backend, token_id)
+                except Exception as exc:
+                    piece = self._recover(token_id, exc)
+                    step = self._step
+                if piece:
+                    text += piece
+                offsets.append(len(text))
+        finally:
+            self._text = text
         if skipped is not None:
             append(skipped)
-        self._text = text
-        return None
+            offsets.append(len(text))
+        if len(token_ids) <= self.min_tokens:
+            return None
+        return self._check_stop(offsets, first_new_token_index, first_new_token_index)
 
     def _recover(self, next_token_id: int, exc: Exception) -> str | None:
         if isinstance(exc, (OverflowError, TypeError)):

@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_MAX_LOGPROBS", "InputProcessor", "ProcessedRequest", "random_uuid"]
 
+# Appended to vLLM's text for a prompt of exactly max_model_len tokens, so every too-long
+# refusal names the context length (the contract servers rely on).
+_CONTEXT_SUFFIX: Final = " This model's maximum context length is {} tokens."
+
 #: vLLM's default ``--max-logprobs``.
 DEFAULT_MAX_LOGPROBS: Final = 20
 _MASK_64: Final = (1 << 64) - 1
@@ -93,8 +97,8 @@ class InputProcessor:
         *,
         max_model_len: int,
         vocab_size: int | None = None,
-        generation_config: Mapping[str, Any] | None = None,
-        sampling_defaults: Mapping[str, Any] | None = None,
+        generation_config: Mapping[str, object] | None = None,
+        sampling_defaults: Mapping[str, object] | None = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ) -> None:
         if max_model_len < 1:
@@ -104,8 +108,8 @@ class InputProcessor:
         if vocab_size is None and tokenizer is not None:
             vocab_size = tokenizer.max_token_id + 1
         self.vocab_size = vocab_size
-        self.generation_config = dict(generation_config or {})
-        self.sampling_defaults = dict(sampling_defaults or {})
+        self.generation_config: dict[str, Any] = dict(generation_config or {})
+        self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
         self.max_logprobs = max_logprobs
 
     @classmethod
@@ -142,17 +146,18 @@ class InputProcessor:
         """
         text: str | None
         given: object = prompt  # callers from JSON may pass anything
+        encoded = False
         if isinstance(given, str):
-            text = given
-            ids = self._require_tokenizer("a text prompt").encode(given, add_special_tokens=True)
+            text, encoded = given, True
+            ids = self._encode_prompt_text(given)
         elif isinstance(given, Mapping):
             if "prompt_token_ids" in given:
                 ids = _as_token_ids(given["prompt_token_ids"])
                 value = given.get("prompt")
                 text = value if isinstance(value, str) else None
             elif isinstance(given.get("prompt"), str):
-                text = str(given["prompt"])
-                ids = self._require_tokenizer("a text prompt").encode(text, add_special_tokens=True)
+                text, encoded = str(given["prompt"]), True
+                ids = self._encode_prompt_text(text)
             else:
                 raise InvalidRequestError(
                     "a prompt dict needs 'prompt' (text) or 'prompt_token_ids'"
@@ -164,8 +169,22 @@ class InputProcessor:
                 f"a prompt must be text, a list of token ids or a prompt dict, "
                 f"not {type(prompt).__name__}"
             )
-        self.validate_prompt_ids(ids)
+        self.validate_prompt_ids(ids, from_text=encoded)
         return text, ids
+
+    def _encode_prompt_text(self, text: str) -> list[int]:
+        tokenizer = self._require_tokenizer("a text prompt")
+        # vLLM refuses, before tokenizing, a text longer than max_model_len tokens of the
+        # longest vocabulary piece could be.
+        max_chars = self.max_model_len * tokenizer.max_chars_per_token
+        if len(text) > max_chars:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your prompt contains {len(text)} characters (more than "
+                f"{max_chars} characters, which is the upper bound for {self.max_model_len} "
+                f"input tokens). Please reduce the length of the input prompt."
+            )
+        return tokenizer.encode(text, add_special_tokens=True)
 
     def render_chat(
         self,
@@ -174,7 +193,7 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> tuple[str, list[int]]:
         """``(prompt text, token ids)`` of a conversation (see ``render_chat_template``);
         the text is encoded without adding special tokens, as vLLM's chat path does."""
@@ -188,20 +207,27 @@ class InputProcessor:
         self.validate_prompt_ids(ids)
         return text, ids
 
-    def validate_prompt_ids(self, ids: Sequence[int]) -> None:
+    def validate_prompt_ids(self, ids: Sequence[int], *, from_text: bool = False) -> None:
         """vLLM's prompt checks: not empty, shorter than ``max_model_len`` (room for one
-        token), every id inside the vocabulary."""
+        token), every id inside the vocabulary. ``from_text``: the ids are a text prompt's
+        (vLLM tokenizes those to at most ``max_model_len + 1`` tokens, and says so)."""
         n = len(ids)
+        max_len = self.max_model_len
         if n == 0:
             raise InvalidRequestError("The decoder prompt cannot be empty")
-        if n >= self.max_model_len:
-            longer = "is longer than" if n > self.max_model_len else (
-                "plus the number of requested output tokens (at least 1) is longer than"
-            )
+        if n > max_len:
+            count = f"at least {max_len + 1}" if from_text else str(n)
             raise InvalidRequestError(
-                f"The decoder prompt (length {n}) {longer} the maximum model length of "
-                f"{self.max_model_len}. This model's maximum context length is "
-                f"{self.max_model_len} tokens."
+                f"This model's maximum context length is {max_len} tokens. However, your "
+                f"prompt contains {count} input tokens, which exceeds this limit even "
+                f"without any output tokens. Please reduce the length of the input prompt."
+            )
+        if n == max_len:
+            raise InvalidRequestError(
+                f"The decoder prompt (length {n}) plus the number of requested output tokens "
+                f"(at least 1) is longer than the maximum model length of {max_len}. Make "
+                f"sure that `max_model_len` is no smaller than the number of text tokens "
+                f"(prompt + requested output tokens).{_CONTEXT_SUFFIX.format(max_len)}"
             )
         lo, hi = min(ids), max(ids)
         if lo < 0:
@@ -347,16 +373,25 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        **kwargs: Any,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        data_parallel_rank: int | None = None,
+        cache_salt: str | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> ProcessedRequest:
         """:meth:`process_inputs` for a conversation rendered with the chat template."""
+        _check_request_id(request_id)
         text, ids = self.render_chat(
             messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs, tools=tools,
         )
-        _check_request_id(request_id)
-        return self._build(request_id, text, ids, params, **kwargs)
+        return self._build(
+            request_id, text, ids, params, arrival_time=arrival_time, lora_request=lora_request,
+            priority=priority, data_parallel_rank=data_parallel_rank, cache_salt=cache_salt,
+            trace_headers=trace_headers,
+        )
 
     def _build(
         self,
@@ -427,7 +462,7 @@ def _as_token_ids(raw: object) -> list[int]:
 
 
 def _update_from_generation_config(
-    p: SamplingParams, generation_config: Mapping[str, Any], eos_token_id: int | None
+    p: SamplingParams, generation_config: Mapping[str, object], eos_token_id: int | None
 ) -> None:
     # vLLM's SamplingParams.update_from_generation_config, set operations and all (the
     # order of the resulting stop_token_ids list is the set's, as in vLLM).
@@ -436,9 +471,12 @@ def _update_from_generation_config(
     if eos_token_id is not None:
         p._all_stop_token_ids.add(eos_token_id)
     eos_ids = generation_config.get("eos_token_id")
-    if eos_ids is None:
+    if isinstance(eos_ids, int):
+        eos_set = {eos_ids}
+    elif isinstance(eos_ids, (list, tuple, set)):
+        eos_set = {int(i) for i in eos_ids}
+    else:
         return
-    eos_set = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids)
     if eos_token_id is not None:
         eos_set.discard(eos_token_id)
     if eos_set:

@@ -248,7 +248,9 @@ class OutputProcessor:
         """Detokenize, check stop strings, build outputs; outputs of unknown (aborted)
         requests are ignored. A request whose stop string matched is finished here
         (``finish_reason="stop"``, ``stop_reason`` the string) and listed in
-        ``reqs_to_abort`` when the engine had not finished it itself."""
+        ``reqs_to_abort`` when the engine had not finished it itself. An error from the
+        tokenizer propagates; that request keeps the text decoded so far and the outputs
+        after it in ``engine_core_outputs`` are not processed."""
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
         states = self.request_states

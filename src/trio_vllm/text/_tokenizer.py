@@ -24,7 +24,7 @@ import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from .._exceptions import InvalidRequestError
 
@@ -185,7 +185,7 @@ class Tokenizer:
         self,
         backend: tokenizers.Tokenizer | None = None,
         *,
-        hf_tokenizer: Any = None,
+        hf_tokenizer: object = None,
         special_tokens: Mapping[str, str] | None = None,
         extra_special_tokens: Sequence[str] = (),
         chat_template: str | None = None,
@@ -195,16 +195,17 @@ class Tokenizer:
         if (backend is None) == (hf_tokenizer is None):
             raise TypeError("give exactly one of backend and hf_tokenizer")
         self.backend = backend
-        self._hf = hf_tokenizer
+        self._hf: Any = cast("Any", hf_tokenizer)
         self.chat_template = chat_template
         self._clean_up = clean_up_tokenization_spaces
+        hf: Any = self._hf
         named = dict(special_tokens or {})
         if hf_tokenizer is not None:
-            named = {k: v for k, v in hf_tokenizer.special_tokens_map.items()
+            named = {k: v for k, v in hf.special_tokens_map.items()
                      if k in _NAMED_SPECIAL and isinstance(v, str)} | named
             extra_special_tokens = [
                 *extra_special_tokens,
-                *(t for t in hf_tokenizer.all_special_tokens if t not in named.values()),
+                *(t for t in hf.all_special_tokens if t not in named.values()),
             ]
         #: The named special tokens (``bos_token``, ``eos_token``, ...) as strings; a chat
         #: template sees them as globals.
@@ -228,17 +229,18 @@ class Tokenizer:
             self._is_bpe = type(backend.model).__name__ == "BPE"
             self._space_marker = _metaspace_marker(backend)
         else:
-            vocab = hf_tokenizer.get_vocab()
-            self._len = len(hf_tokenizer)
+            vocab = hf.get_vocab()
+            self._len = len(hf)
             self.max_token_id = max(vocab.values(), default=-1)
             self.added_tokens_decoder = {
-                i: str(tok) for i, tok in getattr(hf_tokenizer, "added_tokens_decoder", {}).items()
+                i: str(tok) for i, tok in getattr(hf, "added_tokens_decoder", {}).items()
             }
             self._is_bpe = False
             self._space_marker = None
-        if model_vocab_size is not None:
-            # vLLM: ids below the model's vocabulary are in vocabulary too (Qwen pads it).
-            self.max_token_id = max(self.max_token_id, model_vocab_size - 1)
+        #: ``config.json``'s ``vocab_size`` (may exceed the tokenizer's: Qwen pads it). An
+        #: id is in vocabulary up to ``max(max_token_id, model_vocab_size - 1)``, as vLLM
+        #: validates prompts (``InputProcessor`` does that).
+        self.model_vocab_size = model_vocab_size
         self._special_id_set = frozenset(self.all_special_ids)
 
     # -- construction -------------------------------------------------------------------
@@ -267,9 +269,10 @@ class Tokenizer:
         decoder = cfg.get("added_tokens_decoder")
         if isinstance(decoder, Mapping):
             have = backend.get_added_tokens_decoder()
-            for key, value in sorted(decoder.items(), key=lambda kv: int(kv[0])):
+            entries = [(int(k), v) for k, v in decoder.items() if str(k).isdigit()]
+            for index, value in sorted(entries, key=lambda kv: kv[0]):
                 content = _token_content(value)
-                if content is None or int(key) in have or backend.token_to_id(content) is not None:
+                if content is None or index in have or backend.token_to_id(content) is not None:
                     continue
                 special = bool(value.get("special", True)) if isinstance(value, Mapping) else True
                 backend.add_tokens([AddedToken(content, special=special, normalized=not special)])
@@ -292,7 +295,7 @@ class Tokenizer:
     @classmethod
     def _from_transformers(cls, files: ModelFiles, chat_template: str | None) -> Tokenizer:
         try:
-            from transformers import AutoTokenizer  # type: ignore[import-not-found]
+            from transformers import AutoTokenizer
         except ImportError:
             raise FileNotFoundError(
                 f"{files.path} has no tokenizer.json; loading its tokenizer needs the optional "
@@ -319,6 +322,16 @@ class Tokenizer:
 
     def __len__(self) -> int:
         return self._len
+
+    @property
+    def max_chars_per_token(self) -> int:
+        """The longest vocabulary piece, in characters (vLLM's bound for prompt text)."""
+        value = self.__dict__.get("_max_chars")
+        if value is None:
+            vocab = (self.backend.get_vocab(with_added_tokens=True) if self.backend is not None
+                     else self._hf.get_vocab())
+            value = self.__dict__["_max_chars"] = max((len(t) for t in vocab), default=1)
+        return int(value)
 
     def _named_id(self, name: str) -> int | None:
         token = self.special_tokens_map.get(name)

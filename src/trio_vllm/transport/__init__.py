@@ -2,14 +2,14 @@
 
 Public names:
 
-* :class:`AsyncSocket` wraps and owns a ``zmq.Socket`` for trio, asyncio and uvloop
-  (through anyio). Receive with :meth:`~AsyncSocket.receive_batch` (the main path) or
-  :meth:`~AsyncSocket.receive`; send with :meth:`~AsyncSocket.send`,
-  :meth:`~AsyncSocket.send_nowait`, :meth:`~AsyncSocket.send_many` or
-  :meth:`~AsyncSocket.send_tracked` plus :func:`wait_tracker`. Options only through
-  :meth:`~AsyncSocket.get_option` / :meth:`~AsyncSocket.set_option`.
-* :func:`tcp_endpoint`, :func:`normalize_endpoint`, :func:`is_ipv6_endpoint`,
-  :class:`PrivateIpcDir`: endpoint strings.
+* `AsyncSocket` wraps and owns a ``zmq.Socket`` for trio, asyncio and uvloop
+  (through anyio). Receive with `receive_batch` (the main path) or
+  `receive`; send with `send`,
+  `send_nowait`, `send_many` or
+  `send_tracked` plus `wait_tracker`. Options only through
+  `get_option` / `set_option`.
+* `tcp_endpoint`, `normalize_endpoint`, `is_ipv6_endpoint`,
+  `PrivateIpcDir`: endpoint strings.
 
 This layer knows sockets and the event loop, nothing about vLLM. See
 ``docs/transport.md`` for the design and the cancellation contract.

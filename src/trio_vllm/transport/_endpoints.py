@@ -1,6 +1,6 @@
 """ZeroMQ endpoint strings: port-0 binds, IPv6 brackets, private ipc directories.
 
-Pure helpers with no event-loop code; :class:`~trio_vllm.transport.AsyncSocket` uses
+Pure helpers with no event-loop code; `AsyncSocket` uses
 them in ``bind``/``connect``/``bind_ipc``.
 """
 
@@ -86,9 +86,9 @@ def normalize_endpoint(endpoint: str, *, bind: bool) -> str:
 class PrivateIpcDir:
     """A private (mode 0700) temporary directory holding ipc socket files.
 
-    Created on first use of :meth:`endpoint`; :meth:`cleanup` removes it with
+    Created on first use of `endpoint`; `cleanup` removes it with
     everything in it. A finalizer removes it too if the owner is garbage-collected
-    or the interpreter exits without calling :meth:`cleanup`.
+    or the interpreter exits without calling `cleanup`.
     """
 
     def __init__(self, prefix: str = "trio-vllm-") -> None:
@@ -99,7 +99,7 @@ class PrivateIpcDir:
 
     @property
     def path(self) -> str | None:
-        """The directory, or None before the first :meth:`endpoint` call."""
+        """The directory, or None before the first `endpoint` call."""
         return self._path
 
     def endpoint(self, name: str | None = None) -> str:

@@ -116,13 +116,13 @@ class AsyncSocket:
     Cancellation contract for every ``async`` method: if it raises the cancellation
     exception, nothing was sent or received; if it returns, the message went out (or
     was received and is returned). Each call is one checkpoint. The ``*_nowait``
-    methods and :meth:`send_many` are synchronous and never checkpoints.
+    methods and `send_many` are synchronous and never checkpoints.
 
-    Errors: ``anyio.ClosedResourceError`` after :meth:`close` (including for tasks
+    Errors: ``anyio.ClosedResourceError`` after `close` (including for tasks
     waiting when it is called), ``anyio.BrokenResourceError`` if the zmq context was
-    terminated under the socket, :class:`trio_vllm.UnroutableError` for a ROUTER send
+    terminated under the socket, `trio_vllm.UnroutableError` for a ROUTER send
     to an unknown identity (``ROUTER_MANDATORY`` is on for ROUTER sockets made by
-    :meth:`create`), other ``zmq.ZMQError`` as raised by pyzmq.
+    `create`), other ``zmq.ZMQError`` as raised by pyzmq.
 
     Args:
         socket: the pyzmq socket to own; the wrapper closes it.
@@ -169,7 +169,7 @@ class AsyncSocket:
 
         ``options`` are set in order before the socket is wrapped. For a ROUTER socket
         ``ROUTER_MANDATORY`` is set unless ``router_mandatory=False``, so a send to an
-        unknown identity raises :class:`~trio_vllm.UnroutableError` instead of being
+        unknown identity raises `UnroutableError` instead of being
         dropped silently. ``LINGER`` is set to ``linger``.
         """
         sock: zmq.Socket[Any] = context.socket(socket_type)
@@ -188,7 +188,7 @@ class AsyncSocket:
 
     @property
     def closed(self) -> bool:
-        """True once :meth:`close` was called."""
+        """True once `close` was called."""
         return self._closed
 
     @property
@@ -369,7 +369,7 @@ class AsyncSocket:
 
         With ``copy=False`` frames of 64 KiB and more are sent zero-copy: the buffer is
         shared with libzmq until it has been sent, so do not mutate it (use
-        :meth:`send_tracked` to learn when it is safe).
+        `send_tracked` to learn when it is safe).
 
         Cancellation: if cancelled, the message was not queued and will never be sent.
 
@@ -385,7 +385,7 @@ class AsyncSocket:
     async def send_tracked(self, frames: Sequence[OutFrame]) -> zmq.MessageTracker:
         """Send zero-copy and return a tracker; ``await wait_tracker(t)`` before reusing buffers.
 
-        Same waiting, cancellation and errors as :meth:`send`. Frames below pyzmq's
+        Same waiting, cancellation and errors as `send`. Frames below pyzmq's
         copy threshold are copied anyway and their tracker is done at once.
         """
         await self._checkpoint()
@@ -419,7 +419,7 @@ class AsyncSocket:
         The hot path for a ROUTER fanning out to several peers: no checkpoint, one
         wake-up check for the whole call. It stops before the first message that
         cannot go now (high-water mark, or an error); if that is the very first
-        message, the error is raised (:class:`~trio_vllm.UnroutableError`,
+        message, the error is raised (`UnroutableError`,
         ``anyio.ClosedResourceError``, ...) but ``anyio.WouldBlock`` is not: the
         return value is then 0. Call again with the rest (``messages[n:]``) to see
         the error, or ``await send(...)`` to wait for room. Pass a sequence: from a
@@ -469,7 +469,7 @@ class AsyncSocket:
                 self._ipc_dir.cleanup()
 
     async def aclose(self) -> None:
-        """Close the socket (see :meth:`close`), then checkpoint."""
+        """Close the socket (see `close`), then checkpoint."""
         self.close()
         await anyio.lowlevel.checkpoint()
 
@@ -689,7 +689,7 @@ class AsyncSocket:
 
         When nothing is queued and no other task waits, the wait on the fd is the
         checkpoint (it always yields and is cancellable), which saves a second yield
-        and a failing receive per wait cycle. Otherwise it is :meth:`_checkpoint`.
+        and a failing receive per wait cycle. Otherwise it is `_checkpoint`.
         """
         self._check_open()
         if self._owner is None and not self._events() & _POLLIN:

@@ -1,0 +1,337 @@
+"""The async text frontend: text in, text out, over the engine-core client.
+
+:func:`open_llm` starts (or reaches) engines with :func:`~trio_vllm.open_client` and
+loads a model directory's tokenizer; :class:`LLM` turns prompts into engine requests with
+the sans-I/O text layer (:mod:`trio_vllm.text`) and engine outputs back into vLLM-shaped
+:class:`~trio_vllm.RequestOutput` s. It owns no sockets and no tasks of its own beyond
+the per-request ones a ``generate`` block owns for ``n > 1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+
+from .._exceptions import InvalidRequestError
+from ..protocol import RequestOutputKind, SamplingParams
+from ._stream import RequestOutputStream
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Mapping, Sequence
+    from types import TracebackType
+
+    from ..client import EngineCoreClient, EngineSource
+    from ..text import ChatMessage, ModelFiles, ProcessedRequest, Prompt, RequestOutput, Tokenizer
+
+__all__ = ["LLM", "open_llm"]
+
+
+class _Generate:
+    """The context manager ``llm.generate`` returns (a class: no generator frames)."""
+
+    __slots__ = ("_llm", "_stream")
+
+    def __init__(self, llm: LLM, stream: RequestOutputStream) -> None:
+        self._llm = llm
+        self._stream = stream
+
+    async def __aenter__(self) -> RequestOutputStream:
+        llm = self._llm
+        llm._check_alive()
+        stream = self._stream
+        # Registered before the first send and forgotten by the stream's close on every
+        # way out (including a cancelled send), so llm.abort() sees every request that may
+        # be on the engine and nothing that is not.
+        llm._register(stream)
+        await stream._open()
+        return stream
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._stream._close()
+
+
+class LLM:
+    """Text generation over an engine-core client (vLLM's ``AsyncLLM``, structured).
+
+    Usually obtained from :func:`open_llm`; build one yourself over a client you own as
+    ``LLM(client, model=DIR)`` (loads the tokenizer synchronously).
+
+    Attributes:
+        tokenizer: the model's tokenizer (``encode``, ``decode``, ``vocab_size``).
+        model_name: the served model name (default: the model directory's name).
+        max_model_len: the context length the engines reported.
+        client: the underlying :class:`~trio_vllm.EngineCoreClient`.
+    """
+
+    def __init__(
+        self,
+        client: EngineCoreClient,
+        *,
+        model: str | os.PathLike[str],
+        served_model_name: str | None = None,
+        files: ModelFiles | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        from ..text import InputProcessor, ModelFiles, OutputProcessor, random_uuid
+
+        if files is None:
+            files = ModelFiles(model)
+        if tokenizer is None:
+            tokenizer = files.load_tokenizer()
+        max_model_len = client.max_model_len
+        if max_model_len is None:
+            max_model_len = files.max_position_embeddings or 0
+        self.client = client
+        self.files = files
+        self.tokenizer = tokenizer
+        self.model_name = served_model_name or _default_name(model)
+        self.max_model_len: int = max_model_len
+        self._inputs = InputProcessor.from_model_files(
+            files, tokenizer, max_model_len=max_model_len
+        )
+        self._new_id = random_uuid
+        self._outputs = OutputProcessor(tokenizer)
+        self._streams: dict[str, list[RequestOutputStream]] = {}
+
+    def __repr__(self) -> str:
+        return f"<LLM {self.model_name!r} requests={self.num_requests}>"
+
+    @property
+    def dead(self) -> bool:
+        """The engines died (every call raises :class:`~trio_vllm.EngineDeadError`)."""
+        return self.client.dead
+
+    @property
+    def num_requests(self) -> int:
+        """Text requests in flight (``generate`` blocks entered and not left)."""
+        return sum(len(v) for v in self._streams.values())
+
+    @property
+    def live_request_ids(self) -> list[str]:
+        """The external ids of the requests in flight."""
+        return list(self._streams)
+
+    def _stream(self, processed: ProcessedRequest) -> RequestOutputStream:
+        return RequestOutputStream(self.client, self._outputs, processed, self._unregister)
+
+    def _check_alive(self) -> None:
+        error = self.client.dead_error()
+        if error is not None:
+            raise error
+
+    def _register(self, stream: RequestOutputStream) -> None:
+        self._streams.setdefault(stream.request_id, []).append(stream)
+
+    def _unregister(self, stream: RequestOutputStream) -> None:
+        streams = self._streams.get(stream.request_id)
+        if streams is not None:
+            with contextlib.suppress(ValueError):
+                streams.remove(stream)
+            if not streams:
+                del self._streams[stream.request_id]
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> contextlib.AbstractAsyncContextManager[RequestOutputStream]:
+        """Generate from ``prompt``: ``async with llm.generate(p, params) as stream``.
+
+        The prompt is text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids":
+        ...}``. It is tokenized and checked here, synchronously: a bad request raises
+        :class:`~trio_vllm.InvalidRequestError` before anything is sent. Entering the
+        block sends the request (``n`` child requests for ``n > 1``); the stream yields
+        :class:`~trio_vllm.RequestOutput` per ``params.output_kind``.
+
+        Leaving the block before the final output (``break``, an exception, cancellation)
+        aborts every unfinished child on the engine. Registering and sending are one step
+        under cancellation: a cancelled ``__aenter__`` left nothing in this LLM and no
+        request on the engine. Engine death raises :class:`~trio_vllm.EngineDeadError`.
+        """
+        processed = self._inputs.process_inputs(
+            self._new_id() if request_id is None else request_id, prompt, params
+        )
+        return _Generate(self, self._stream(processed))
+
+    async def generate_final(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> RequestOutput:
+        """Generate and return the final output with all ``n`` completions.
+
+        ``params.output_kind`` is ignored (the request is sent as FINAL_ONLY).
+        Cancellation aborts the request on the engine; errors as :meth:`generate`.
+        """
+        params = _final_only(params)
+        async with self.generate(prompt, params, request_id=request_id) as stream:
+            return await _last_output(stream)
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
+    ) -> contextlib.AbstractAsyncContextManager[RequestOutputStream]:
+        """Generate a reply to a conversation: :meth:`render_chat`, then :meth:`generate`.
+
+        ``messages`` are OpenAI-shaped (``{"role": ..., "content": ...}``). A bad
+        conversation or template raises :class:`~trio_vllm.InvalidRequestError` here.
+        """
+        processed = self._inputs.process_chat(
+            self._new_id() if request_id is None else request_id,
+            messages,
+            params,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return _Generate(self, self._stream(processed))
+
+    async def chat_final(
+        self,
+        messages: Sequence[ChatMessage],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
+    ) -> RequestOutput:
+        """:meth:`chat`, returning the final output (as :meth:`generate_final`)."""
+        params = _final_only(params)
+        async with self.chat(
+            messages,
+            params,
+            request_id=request_id,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        ) as stream:
+            return await _last_output(stream)
+
+    def render_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
+    ) -> tuple[str, list[int]]:
+        """The prompt text and token ids of a conversation (the model's chat template,
+        or ``chat_template``). Raises :class:`~trio_vllm.InvalidRequestError`."""
+        return self._inputs.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
+    async def abort(self, request_id: str) -> None:
+        """Abort every request in flight under the external id ``request_id``.
+
+        Their streams deliver a final output with ``finish_reason="abort"`` and stop.
+        Unknown ids are ignored. Cancellation: the one checkpoint comes first; a
+        cancelled call changed nothing.
+        """
+        streams = list(self._streams.get(request_id, ()))
+        ids = [rid for s in streams for rid in s.engine_request_ids]
+        if not ids:
+            await anyio.lowlevel.checkpoint()
+            return
+        await self.client.abort_requests(ids)
+        for stream in streams:
+            stream._aborted_by_client(stream.engine_request_ids)
+
+
+def _default_name(model: str | os.PathLike[str]) -> str:
+    name = os.fspath(model).rstrip(os.sep)
+    return os.path.basename(name) if os.path.isdir(name) else name
+
+
+def _final_only(params: SamplingParams | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)
+    return msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+async def _last_output(stream: RequestOutputStream) -> RequestOutput:
+    last = await stream.collect()
+    if last is None:  # pragma: no cover - the text layer always finishes a request
+        raise InvalidRequestError(f"request {stream.request_id!r} produced no output")
+    return last
+
+
+@contextlib.asynccontextmanager
+async def open_llm(
+    engines: EngineSource | Sequence[EngineSource],
+    *,
+    model: str | os.PathLike[str] | None = None,
+    served_model_name: str | None = None,
+    **client_options: Any,
+) -> AsyncIterator[LLM]:
+    """Load ``model``'s tokenizer, start the engines, and yield an :class:`LLM`.
+
+    ``model`` is a local model directory (or a hub name already in the local cache);
+    ``None`` means the engines' own: :data:`trio_vllm.reference_engine.MODEL_DIR` for
+    :class:`~trio_vllm.ReferenceEngines`, the ``model`` of :class:`~trio_vllm.VllmEngines`.
+    ``client_options`` are :func:`~trio_vllm.open_client`'s keywords.
+
+    The tokenizer is loaded (in a worker thread) before any engine starts, so a bad
+    model directory fails fast (``FileNotFoundError`` / ``ValueError``). On exit the
+    client closes as :func:`~trio_vllm.open_client` documents.
+    """
+    from ..client import open_client
+    from ..text import ModelFiles
+
+    if model is None:
+        model = _engines_model(engines)
+
+    def load() -> tuple[ModelFiles, Tokenizer]:
+        files = ModelFiles(model)
+        return files, files.load_tokenizer()
+
+    files, tokenizer = await anyio.to_thread.run_sync(load)
+    async with open_client(engines, **client_options) as client:
+        yield LLM(
+            client,
+            model=model,
+            served_model_name=served_model_name,
+            files=files,
+            tokenizer=tokenizer,
+        )
+
+
+def _engines_model(engines: EngineSource | Sequence[EngineSource]) -> str:
+    from ..client import ReferenceEngines, VllmEngines
+    from ..reference_engine import MODEL_DIR
+
+    sources = [engines] if not isinstance(engines, list | tuple) else list(engines)
+    first = sources[0] if sources else None
+    if isinstance(first, VllmEngines):
+        return first.model
+    if isinstance(first, ReferenceEngines):
+        for arg, value in zip(first.extra_args, first.extra_args[1:], strict=False):
+            if arg == "--model-dir":
+                return value
+        return MODEL_DIR
+    raise ValueError("open_llm needs model=DIR for these engines")

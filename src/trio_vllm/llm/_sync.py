@@ -1,0 +1,363 @@
+"""The blocking twin of :class:`~trio_vllm.LLM`: text generation without an event loop.
+
+:class:`SyncLLM` runs the engine-core client and the async frontend in one background
+thread (a :class:`~trio_vllm.SyncClient`'s event loop) and exposes blocking calls::
+
+    with trio_vllm.SyncLLM(trio_vllm.ReferenceEngines()) as llm:
+        print(llm.generate_final("hello", trio_vllm.SamplingParams(max_tokens=8)))
+        for out in llm.generate("hello", params):    # a blocking iterator
+            print(out.outputs[0].text)
+
+Requests are checked in the calling thread (``InvalidRequestError`` before anything is
+sent); everything that touches the frontend's state runs in the loop thread. Closing a
+stream early (``close()``, leaving ``with stream:``, ``break`` in a ``for`` loop over a
+stream that is then dropped) or closing the ``SyncLLM`` aborts its requests. An
+exception in the calling thread while it waits (``KeyboardInterrupt``) cancels that call
+in the loop, so it leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, TypeVar, final
+
+from ..sync import SyncClient
+from ._llm import LLM, _engines_model, _final_only
+
+if TYPE_CHECKING:
+    import os
+    from collections.abc import Awaitable, Callable, Mapping, Sequence
+    from types import TracebackType
+
+    import anyio.from_thread
+
+    from ..client import EngineSource
+    from ..protocol import SamplingParams
+    from ..text import ChatMessage, Prompt, RequestOutput, Tokenizer
+    from ._stream import RequestOutputStream
+
+__all__ = ["SyncLLM", "SyncRequestOutputStream"]
+
+T = TypeVar("T")
+
+
+async def _next(stream: RequestOutputStream) -> RequestOutput | None:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+@final
+class SyncRequestOutputStream:
+    """A text request's outputs as a blocking iterator; from :meth:`SyncLLM.generate`.
+
+    The request is sent when :meth:`SyncLLM.generate` returns; ``next()`` blocks until
+    the next :class:`~trio_vllm.RequestOutput` and stops after the final one. Closing it
+    before (``close()``, ``with``, dropping it) aborts every unfinished child request.
+    """
+
+    def __init__(self, owner: SyncLLM, context: Any, stream: RequestOutputStream) -> None:
+        self._owner = owner
+        self._context = context
+        self._stream = stream
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<SyncRequestOutputStream {self.request_id!r} closed={self._closed}>"
+
+    @property
+    def request_id(self) -> str:
+        """The caller's (external) request id."""
+        return self._stream.request_id
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __iter__(self) -> SyncRequestOutputStream:
+        return self
+
+    def __next__(self) -> RequestOutput:
+        if self._closed:
+            raise StopIteration
+        try:
+            output = self._owner._call(_next, self._stream)
+        except BaseException:
+            self.close()
+            raise
+        if output is None:
+            self.close()
+            raise StopIteration
+        return output
+
+    def close(self) -> None:
+        """Stop the stream; aborts what has not finished. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._owner._streams.discard(self)
+        if self._owner._client is None:
+            return  # closed with the SyncLLM: open_client cleaned everything up
+        # An error here means the client closed meanwhile: nothing is left to abort.
+        with contextlib.suppress(Exception):
+            self._context.__exit__(None, None, None)
+
+    def __enter__(self) -> SyncRequestOutputStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Best effort for a stream dropped unfinished; never from the loop thread.
+        if self._closed or threading.get_ident() == self._owner._loop_thread_id:
+            return
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+@final
+class SyncLLM:
+    """A blocking :class:`~trio_vllm.LLM`: the client and frontend in a background thread.
+
+    Args:
+        engines: an engine source, as for :func:`~trio_vllm.open_llm`.
+        model: the model directory (default: the engines' own, as ``open_llm``).
+        served_model_name: the name reported as :attr:`model_name`.
+        backend: the event loop of the thread, ``"trio"`` (default) or ``"asyncio"``.
+        **client_options: :func:`~trio_vllm.open_client`'s keywords.
+
+    ``__enter__`` loads the tokenizer, starts the engines and waits until they are ready
+    (raising as ``open_llm`` does); ``__exit__`` (or :meth:`close`) closes open streams,
+    stops the engines and joins the thread. Calls raise
+    :class:`~trio_vllm.EngineDeadError` once an engine died or the ``SyncLLM`` closed.
+    """
+
+    def __init__(
+        self,
+        engines: EngineSource,
+        *,
+        model: str | os.PathLike[str] | None = None,
+        served_model_name: str | None = None,
+        backend: str = "trio",
+        **client_options: Any,
+    ) -> None:
+        self._engines = engines
+        self._model = model if model is not None else _engines_model(engines)
+        self._served_model_name = served_model_name
+        self._backend = backend
+        self._options = client_options
+        self._client: SyncClient | None = None
+        self._llm: LLM | None = None
+        self._loop_thread_id: int | None = None
+        self._streams: weakref.WeakSet[SyncRequestOutputStream] = weakref.WeakSet()
+        self._used = False
+
+    def __enter__(self) -> SyncLLM:
+        from ..text import ModelFiles
+
+        if self._used:
+            raise RuntimeError("a SyncLLM can be entered only once")
+        self._used = True
+        files = ModelFiles(self._model)  # before any engine starts: a bad dir fails fast
+        tokenizer = files.load_tokenizer()
+        client = SyncClient(self._engines, backend=self._backend, **self._options)
+        client.__enter__()
+        try:
+            self._loop_thread_id = client.portal.call(threading.get_ident)
+            # Built in the loop thread, which owns the client it reads.
+            self._llm = client.portal.call(
+                functools.partial(
+                    LLM,
+                    client.async_client,
+                    model=self._model,
+                    served_model_name=self._served_model_name,
+                    files=files,
+                    tokenizer=tokenizer,
+                )
+            )
+        except BaseException:
+            client.close()
+            raise
+        self._client = client
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close open streams (aborting their requests), stop the engines, join the
+        thread. Idempotent."""
+        client = self._client
+        if client is None:
+            return
+        try:
+            for stream in list(self._streams):
+                with contextlib.suppress(Exception):  # closing the client cleans up too
+                    stream.close()
+        finally:
+            self._client = None
+            client.close()
+
+    @property
+    def llm(self) -> LLM:
+        """The async :class:`~trio_vllm.LLM`; use it only in the loop thread (:attr:`portal`)."""
+        if self._llm is None or self._client is None:
+            raise RuntimeError("the SyncLLM is not open (use it as a context manager)")
+        return self._llm
+
+    @property
+    def portal(self) -> anyio.from_thread.BlockingPortal:
+        """The portal into the background event loop."""
+        if self._client is None:
+            raise RuntimeError("the SyncLLM is not open (use it as a context manager)")
+        return self._client.portal
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.llm.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.llm.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm.max_model_len
+
+    @property
+    def dead(self) -> bool:
+        return self.llm.dead
+
+    def _call(self, func: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``func(*args)`` in the loop thread; cancel it there if we are interrupted."""
+        if threading.get_ident() == self._loop_thread_id:
+            raise RuntimeError("SyncLLM methods cannot be called from its own event loop")
+        llm = self.llm
+        try:
+            future = self.portal.start_task_soon(func, *args)
+        except RuntimeError:
+            raise llm.client.dead_error() or RuntimeError("the SyncLLM is closed") from None
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            error = llm.client.dead_error()
+            if error is not None:
+                raise error from None
+            raise
+        except BaseException:
+            future.cancel()  # e.g. KeyboardInterrupt: the call is cancelled in the loop
+            raise
+
+    def _open(
+        self, context: contextlib.AbstractAsyncContextManager[RequestOutputStream]
+    ) -> SyncRequestOutputStream:
+        wrapped = self.portal.wrap_async_context_manager(context)
+        stream = wrapped.__enter__()
+        sync_stream = SyncRequestOutputStream(self, wrapped, stream)
+        self._streams.add(sync_stream)
+        return sync_stream
+
+    def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> SyncRequestOutputStream:
+        """Send a request and return a blocking iterator of its outputs (see
+        :meth:`LLM.generate <trio_vllm.LLM.generate>`)."""
+        return self._open(self.llm.generate(prompt, params, request_id=request_id))
+
+    def generate_final(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> RequestOutput:
+        """Generate to the end; the final output with all ``n`` completions."""
+        context = self.llm.generate(prompt, _final_only(params), request_id=request_id)
+        return self._call(_run_final, context)
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
+    ) -> SyncRequestOutputStream:
+        """:meth:`LLM.chat <trio_vllm.LLM.chat>` as a blocking iterator."""
+        return self._open(
+            self.llm.chat(
+                messages,
+                params,
+                request_id=request_id,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+        )
+
+    def chat_final(
+        self,
+        messages: Sequence[ChatMessage],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
+    ) -> RequestOutput:
+        """A reply to a conversation, final (as :meth:`generate_final`)."""
+        context = self.llm.chat(
+            messages,
+            _final_only(params),
+            request_id=request_id,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return self._call(_run_final, context)
+
+    def render_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
+    ) -> tuple[str, list[int]]:
+        """The prompt text and token ids of a conversation (no engine involved)."""
+        return self.llm.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
+    def abort(self, request_id: str) -> None:
+        """Abort every request in flight under ``request_id`` (see ``LLM.abort``)."""
+        self._call(self.llm.abort, request_id)
+
+
+async def _run_final(
+    context: contextlib.AbstractAsyncContextManager[RequestOutputStream],
+) -> RequestOutput:
+    async with context as stream:
+        last = await stream.collect()
+    if last is None:  # pragma: no cover - the text layer always finishes a request
+        raise RuntimeError(f"request {stream.request_id!r} produced no output")
+    return last

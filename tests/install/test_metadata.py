@@ -1,0 +1,42 @@
+"""What PyPI and a new user read first: the package metadata and the README's install."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def test_classifiers_state_posix_the_pythons_and_the_status() -> None:
+    classifiers = set(PROJECT["classifiers"])
+    assert "Operating System :: POSIX" in classifiers
+    assert any(c.startswith("Development Status :: ") for c in classifiers)
+    minor = int(PROJECT["requires-python"].removeprefix(">=3."))
+    assert f"Programming Language :: Python :: 3.{minor}" in classifiers
+    assert not any("Windows" in c for c in classifiers)
+
+
+def test_project_urls() -> None:
+    assert {"Homepage", "Documentation", "Source", "Changelog"} <= set(PROJECT["urls"])
+
+
+def test_the_light_extras_pull_no_torch() -> None:
+    extras = PROJECT["optional-dependencies"]
+    for light in ("testing", "docs", "text"):
+        assert not any(req.startswith("torch") for req in extras[light]), light
+    assert any(req.startswith("pytest") for req in extras["testing"])
+    assert "test" not in extras  # replaced by testing (it pulled an unpinned torch)
+
+
+def test_the_readme_installs_as_a_user_first() -> None:
+    readme = (ROOT / "README.md").read_text()
+    first = re.search(r"```bash\n(.*?)```", readme, re.S)
+    assert first is not None
+    assert first.group(1).strip() == "pip install trio-vllm"
+    for extra in ("torch", "testing", "text", "dev"):
+        assert f"`trio-vllm[{extra}]`" in readme
+    develop = readme.index("## Develop")
+    assert readme.index("pip install -c constraints-cpu.txt -e '.[dev]'") > develop
