@@ -7,7 +7,7 @@
 #
 #   git clone ... trio-vllm && cd trio-vllm            # or this checkout
 #   mkdir -p wheels
-#   pip wheel --no-deps -w wheels .                    # trio-vllm itself
+#   pip wheel --no-deps -w wheels .                    # trio-vllm itself (no deps)
 #   pip download -d wheels --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
 #       trio anyio pyzmq msgspec numpy attrs sortedcontainers outcome sniffio idna \
@@ -39,7 +39,11 @@ venv="${GPU_CHECK_VENV:-/tmp/trio-vllm-gpu-check}"
 if [[ ! -x "$venv/bin/python" ]]; then
     "$python" -m venv --system-site-packages "$venv"
 fi
-"$venv/bin/python" -m pip install -q --no-index --find-links "$wheels" trio-vllm
+# The client's runtime dependencies only: the text frontend's (tokenizers, jinja2) are
+# imported lazily and not needed here, so trio-vllm itself goes in with --no-deps.
+"$venv/bin/python" -m pip install -q --no-index --find-links "$wheels" \
+    trio anyio pyzmq msgspec numpy
+"$venv/bin/python" -m pip install -q --no-index --no-deps --find-links "$wheels" trio-vllm
 "$venv/bin/python" - <<'EOF'
 import sys, torch
 print(f"python {sys.version.split()[0]}, torch {torch.__version__}, "
