@@ -20,7 +20,6 @@ from zmq.utils.monitor import parse_monitor_message
 from .._exceptions import ProtocolError
 from ..protocol.handshake import rank_for_identity
 from ..protocol.session import QueueRaw, RankState
-from ..transport import DEFAULT_BATCH_BYTES
 from ._startup import _bytes
 
 if TYPE_CHECKING:
@@ -38,14 +37,18 @@ __all__ = ["Receiver"]
 _EXIT_QUIET_S: Final = 0.004
 _EXIT_DRAIN_S: Final = 0.03
 # After a batch that queued raw outputs (get_output), the next receive batch ends after
-# this many bytes of frames instead of the transport's 256 KiB: up to 256 small
+# this many bytes of frames (the transport's default is 256 KiB): up to 256 small
 # messages, but ~8 of 64 outputs each. Everything of a batch is decoded before the
 # consumer runs, so a large batch of large messages keeps megabytes of fresh objects
 # alive in the raw queue: the decode then writes cold memory and the collector runs over
-# them (bench firehose, 64 outputs per message, backlog: 131 -> 49 us per message).
-# Streams keep the large batch: there it gives each woken consumer several outputs per
-# wake-up (with 32 KiB, 4096 streams cost 4x more per message).
+# them (bench firehose, 64 outputs per message, backlog: 131 -> 59 us per message).
+# Streams get a larger batch than the transport's default instead: there every output
+# wakes its consumer unless more outputs of the same stream arrive in the same batch, so
+# a batch of more messages means fewer task switches per output (4096 streams at 64
+# outputs per message, A/B: 32 KiB 2150, 256 KiB ~750-890, 1 MiB ~390-570 us per
+# message; at 1 output per message the 256-message cap ends the batch first).
 _RAW_BATCH_BYTES: Final = 32 * 1024
+_STREAM_BATCH_BYTES: Final = 1024 * 1024
 
 logger = logging.getLogger("trio_vllm.client")
 
@@ -107,7 +110,7 @@ class Receiver:
                     if session.noticed:
                         scope.cancel()
                     while not session.noticed:
-                        limit = _RAW_BATCH_BYTES if self._raw_batch else DEFAULT_BATCH_BYTES
+                        limit = _RAW_BATCH_BYTES if self._raw_batch else _STREAM_BATCH_BYTES
                         self._raw_batch = False
                         batch = await socket.receive_batch(max_bytes=limit)
                         for frames in batch:
