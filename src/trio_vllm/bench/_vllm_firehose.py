@@ -25,6 +25,20 @@ import time
 from typing import Any
 
 
+def _profile_module() -> Any:
+    # By path: this python has vLLM, not necessarily trio-vllm (_profile.py is stdlib only).
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_profile.py")
+    spec = importlib.util.spec_from_file_location("_trio_vllm_bench_profile", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _config(model: str) -> Any:
     engine_args = importlib.import_module("vllm.engine.arg_utils")
     return engine_args.EngineArgs(
@@ -44,6 +58,7 @@ async def _run(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     async_mp_client = importlib.import_module("vllm.v1.engine.core_client").AsyncMPClient
     executor = importlib.import_module("vllm.v1.executor.abstract").Executor
 
+    prof = _profile_module().Profile(args.profile)
     begin = time.perf_counter()
     # Binds both sockets and blocks until the engine's ready message arrived.
     client = async_mp_client(
@@ -53,6 +68,8 @@ async def _run(args: argparse.Namespace, config: Any) -> dict[str, Any]:
         client_addresses={"input_address": args.input, "output_address": args.output},
     )
     ready_s = time.perf_counter() - begin
+    # As vLLM's API server does once started (the bench does the same for trio-vllm).
+    importlib.import_module("vllm.utils.gc_utils").freeze_gc_heap()
     try:
         requests = [
             engine_core_request(
@@ -78,16 +95,20 @@ async def _run(args: argparse.Namespace, config: Any) -> dict[str, Any]:
             time.sleep(args.backlog)  # noqa: ASYNC251
             start, cpu = time.perf_counter(), time.process_time()
         outputs = messages = finished = 0
+        prof.start()
         while finished < args.requests:
             batch = await client.get_output_async()
             messages += 1
             for out in batch.outputs:
                 outputs += len(out.new_token_ids)
                 finished += out.finish_reason is not None
+        prof.stop()
         seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     finally:
         client.shutdown()
+    extra = {"profile": prof.top(10, per=messages)} if prof.enabled else {}
     return {
+        **extra,
         "outputs": outputs,
         "messages": messages,
         "seconds": seconds,
@@ -109,6 +130,7 @@ def main() -> None:
         default=0.0,
         help="sleep S seconds after the ADDs, then time the drain",
     )
+    parser.add_argument("--profile", action="store_true", help="cProfile top-10 in RESULT")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     config = _config(args.model)

@@ -145,6 +145,12 @@ def add_parser(commands: Any) -> None:
         help="live: read while the engine sends; backlog: drain after the engine sent "
         "everything (the client's own capacity); default live,backlog",
     )
+    fh.add_argument(
+        "--profile",
+        action="store_true",
+        help="run each case under cProfile and print its top-10 (self time; also in the "
+        "JSON); profiled figures are slower than unprofiled ones",
+    )
     common(fh)
 
     lat = subs.add_parser(

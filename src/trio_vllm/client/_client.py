@@ -292,7 +292,8 @@ class EngineCoreClient(NamedUtilities):
             elif type(action) is QueueRaw:
                 raw = self._raw  # Mailbox._put, inlined (one per message)
                 raw._pending.append(action.outputs)
-                raw._wakeup.set()
+                if raw._waiting:  # only a waiting consumer needs the event
+                    raw._wakeup.set()
             elif isinstance(action, ResolveCall):
                 call = action.handle
                 assert isinstance(call, _Call)

@@ -182,7 +182,8 @@ class RequestStream(Mailbox[EngineCoreOutput]):
             pending.append(output)
         if output.finish_reason is not None:
             self._received_final = True
-        self._wakeup.set()
+        if self._waiting:
+            self._wakeup.set()
 
     def _fail(self, error: Callable[[], BaseException]) -> None:
         self._close(error)
@@ -191,7 +192,7 @@ class RequestStream(Mailbox[EngineCoreOutput]):
         self.aborted = True
         self._pending.clear()
         self._lp_parts = None
-        self._wakeup.set()
+        self._notify()
 
     # -- consumer side ----------------------------------------------------------------
 
