@@ -116,7 +116,10 @@ async def test_stop_sigterm_then_sigkill_and_reap_group() -> None:
             except ProcessLookupError:
                 break
             # It may linger as a zombie of the (dead) child until init reaps it.
-            stat = await anyio.Path(f"/proc/{grandchild}/stat").read_text()
+            try:
+                stat = await anyio.Path(f"/proc/{grandchild}/stat").read_text()
+            except FileNotFoundError:  # reaped between the kill(0) and the read
+                break
             if stat.split(") ")[1].startswith("Z"):
                 break
             await anyio.sleep(0.02)
