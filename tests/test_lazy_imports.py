@@ -40,3 +40,29 @@ def test_every_public_name_resolves() -> None:
 def test_unknown_names_still_raise() -> None:
     with pytest.raises(AttributeError, match="no_such_name"):
         trio_vllm.no_such_name  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_client_imports_and_runs_on_asyncio_without_trio() -> None:
+    # The in-process adapter runs the client in vLLM's own interpreter, which has anyio but
+    # no trio: the client must neither import trio nor need it on asyncio.
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'trio' or name.startswith('trio.'):\n"
+        "            raise ImportError('trio is blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import anyio\n"
+        "from trio_vllm.client import ReferenceEngines, make_request, open_client\n"
+        "async def main():\n"
+        "    async with open_client(ReferenceEngines(model='echo'), ready_timeout=60) as c:\n"
+        "        async with c.generate(make_request([1, 5, 7], max_tokens=4)) as s:\n"
+        "            print(sum([len(o.new_token_ids) async for o in s]))\n"
+        "anyio.run(main, backend='asyncio')\n"
+        "print('trio' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=90, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["4", "False"]

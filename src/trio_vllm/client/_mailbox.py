@@ -15,12 +15,12 @@ that arrived before the end are always handed out first.
 from __future__ import annotations
 
 import collections
+import sys
 import time
 from typing import TYPE_CHECKING, Final, Generic, TypeVar
 
 import anyio
 import anyio.lowlevel
-import trio
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -38,9 +38,15 @@ YIELD_INTERVAL: Final = 0.001
 
 def _checkpoint_if_cancelled() -> Callable[[], Awaitable[None]]:
     """The running backend's own cancellation check: on trio, trio's, skipping
-    anyio's two layers of dispatch (paid once per output on the buffered path)."""
-    if trio.lowlevel.in_trio_task():
-        return trio.lowlevel.checkpoint_if_cancelled
+    anyio's two layers of dispatch (paid once per output on the buffered path).
+
+    trio is looked up, not imported: no trio task can run before trio is imported, and
+    the client must import where only anyio is installed (the in-process adapter runs in
+    vLLM's own interpreter, which has no trio)."""
+    trio = sys.modules.get("trio")
+    if trio is not None and trio.lowlevel.in_trio_task():
+        check: Callable[[], Awaitable[None]] = trio.lowlevel.checkpoint_if_cancelled
+        return check
     return anyio.lowlevel.checkpoint_if_cancelled
 
 
