@@ -51,7 +51,12 @@ async def raw_request(
     head.update(headers or {})
     lines = [f"{method} {path} HTTP/1.1", *(f"{k}: {v}" for k, v in head.items()), "", ""]
     async with await anyio.connect_tcp("127.0.0.1", port) as stream:
-        await stream.send("\r\n".join(lines).encode() + body)
+        try:
+            await stream.send("\r\n".join(lines).encode() + body)
+        except anyio.BrokenResourceError as exc:
+            # Reset while sending: the connection sat in the backlog of a listener that
+            # closed (a server that stops accepting); the same as a refused connect.
+            raise ConnectionResetError("the server reset the connection") from exc
         data = b""
         try:
             while not _complete(data):
