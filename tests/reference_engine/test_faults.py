@@ -144,6 +144,16 @@ def test_fail_utility_and_output_delay(spawn) -> None:  # type: ignore[no-untype
     assert time.monotonic() - t0 >= 0.3
 
 
+def test_step_interval_paces_steps(spawn) -> None:  # type: ignore[no-untyped-def]
+    # A lower bound only (a loaded machine makes steps later, never earlier): 20 tokens,
+    # one per step, 50 ms apart.
+    fe = spawn(["--step-interval-ms", "50"])
+    t0 = time.monotonic()
+    r = fe.generate(request(PROMPT, max_tokens=20))
+    assert len(r.tokens) == 20
+    assert time.monotonic() - t0 >= 19 * 0.05
+
+
 def test_control_socket_commands(spawn) -> None:  # type: ignore[no-untyped-def]
     fe = spawn(control=True)
     ping = fe.control("ping")
@@ -299,7 +309,8 @@ def test_help_documents_every_fault_flag() -> None:
     ).stdout
     for flag in ("--die-after-steps", "--dead-after-steps", "--stall-after-steps",
                  "--startup-delay", "--crash-on-startup", "--garbage-after-steps",
-                 "--fail-utility", "--output-delay-ms", "--control-address", "--firehose",
+                 "--fail-utility", "--output-delay-ms", "--step-interval-ms",
+                 "--control-address", "--firehose",
                  "--protocol", "--input-address", "--output-address", "--device"):
         assert flag in out
 

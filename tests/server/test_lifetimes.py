@@ -24,7 +24,7 @@ _LONG = {"prompt": "abc", "max_tokens": 1500, "ignore_eos": True,
 
 @pytest.fixture
 def engine_args() -> list[str]:
-    return ["--output-delay-ms", "2"]  # a 1,500-token request takes > 3 s
+    return ["--step-interval-ms", "2"]  # a 1,500-token request takes >= 3 s
 
 
 def _idle(served: Served) -> bool:
@@ -115,6 +115,9 @@ async def test_many_streaming_clients_disconnecting_at_random_points(served: Ser
     assert json.loads(data)["choices"][0]["text"] == "xyz"
 
 
+# 1,500 tokens take >= 30 s, longer than the wait for all 20 streams: the SIGKILL
+# always lands while every stream is still open (no stream may end normally).
+@pytest.mark.parametrize("engine_args", [["--step-interval-ms", "20"]])
 async def test_engine_sigkill_ends_every_stream_with_an_error(served: Served) -> None:
     streaming = 0
 
@@ -137,6 +140,7 @@ async def test_engine_sigkill_ends_every_stream_with_an_error(served: Served) ->
         for _ in range(20):
             tg.start_soon(one, results)
         await wait_until(lambda: streaming == 20, timeout=30)
+        assert not results, "a stream ended before the SIGKILL"
         (pid,) = served.app.llm.client.engine_pids.values()
         os.kill(pid, signal.SIGKILL)
     assert len(results) == 20
@@ -144,7 +148,7 @@ async def test_engine_sigkill_ends_every_stream_with_an_error(served: Served) ->
         assert events[-1] == "[DONE]"
         error = events[-2]
         assert isinstance(error, dict)
-        assert error["error"]["code"] == 503, error
+        assert error.get("error", {}).get("code") == 503, events[-3:]
         assert all("choices" in e for e in events[:-2] if isinstance(e, dict))
     assert served.app.dead
     status, _, _ = await raw_request(served.port, "GET", "/health")

@@ -119,7 +119,7 @@ async def _stream(base_url: str, body: dict[str, object], first: anyio.Event) ->
             return sse_events(data)
 
 
-_SLOW = ["--engine-args=--output-delay-ms 5"]
+_SLOW = ["--engine-args=--step-interval-ms 5"]  # 300 tokens take >= 1.5 s
 
 
 async def test_sigterm_drains_running_requests_then_exits_0(anyio_backend: str) -> None:
@@ -175,6 +175,7 @@ async def test_engine_death_ends_streams_and_exits_1(anyio_backend: str) -> None
                 tg.start_soon(one, event)
             for event in started:
                 await event.wait()
+            assert not results, "a stream ended before the SIGKILL"  # 1,500 tokens: >= 7.5 s
             os.kill(engine, signal.SIGKILL)
         assert len(results) == 5
         for events in results:

@@ -72,6 +72,7 @@ class EngineOptions:
     garbage_after_steps: int | None = None
     fail_utilities: set[str] = field(default_factory=set)
     output_delay_ms: float = 0.0
+    step_interval_ms: float = 0.0
     oov_fatal: bool = False
     verbose: bool = False
 
@@ -179,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "failure of NAME'); repeatable")
     f.add_argument("--output-delay-ms", type=float, default=0.0, metavar="D",
                    help="hold every output message D ms before sending it (order kept)")
+    f.add_argument("--step-interval-ms", type=float, default=0.0, metavar="D",
+                   help="start a model step at most every D ms (a slow model: N tokens of "
+                        "a request take at least N*D ms; default 0, as fast as it can)")
     f.add_argument("--oov-fatal", action="store_true",
                    help="an out-of-vocabulary id in a request (prompt, allowed_token_ids, "
                         "logit_bias, stop ids) is fatal: ENGINE_CORE_DEAD, exit 1, as it "
@@ -258,6 +262,7 @@ def parse_options(argv: Sequence[str] | None = None) -> EngineOptions:
         garbage_after_steps=ns.garbage_after_steps,
         fail_utilities=set(ns.fail_utility),
         output_delay_ms=ns.output_delay_ms,
+        step_interval_ms=ns.step_interval_ms,
         oov_fatal=ns.oov_fatal,
         verbose=ns.verbose,
     )

@@ -115,6 +115,7 @@ class EngineServer:
         self.blocked: deque[tuple[zmq.Socket[bytes], list[Any]]] = deque()
         self.engines_running = False
         self.starved = False
+        self.next_step_at = 0.0  # --step-interval-ms: no step starts before this
         self.start_wave_sent: int | None = None
         self.wave_steps = 0
         self.last_counts: tuple[int, int] | None = None
@@ -1104,15 +1105,20 @@ class EngineServer:
             ):
                 self._flush_delayed_blocking()
                 return
+            schedulable = self.scheduler.has_schedulable() and not self.starved
+            paced = schedulable and self.next_step_at > time.monotonic()
             busy = not self.stalled and (
-                (self.scheduler.has_schedulable() and not self.starved)
+                (schedulable and not paced)
                 or (bool(self.firehose) and not self.blocked)
                 or (self.options.moe and self.engines_running)
             )
+            wake_at = [self.delayed[0][0]] if self.delayed else []
+            if paced:
+                wake_at.append(self.next_step_at)
             if busy:
                 timeout: int | None = 0
-            elif self.delayed and not self.stalled:
-                timeout = int(max(0.0, self.delayed[0][0] - time.monotonic()) * 1000) + 1
+            elif wake_at and not self.stalled:
+                timeout = int(max(0.0, min(wake_at) - time.monotonic()) * 1000) + 1
             else:
                 timeout = None
             want = self.blocked[0][0] if self.blocked and not self.stalled else None
@@ -1161,7 +1167,13 @@ class EngineServer:
                 if self.rank == 0 or self.profile_name == "0.33.0":
                     self._request_wave()
             stepped = False
-            if self.scheduler.has_schedulable() and not self.starved:
+            if (
+                self.scheduler.has_schedulable()
+                and not self.starved
+                and time.monotonic() >= self.next_step_at
+            ):
+                if self.options.step_interval_ms > 0:
+                    self.next_step_at = time.monotonic() + self.options.step_interval_ms / 1000
                 result = self.scheduler.step()
                 if result.num_scheduled_tokens == 0 and not result.per_client:
                     # Nothing fits (e.g. no free KV blocks for the waiting requests):
