@@ -7,9 +7,6 @@ This module only re-exports the public names.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
 from ._exceptions import EngineDeadError as EngineDeadError
 from ._exceptions import EngineStartupError as EngineStartupError
 from ._exceptions import InsecureSerializationError as InsecureSerializationError
@@ -20,36 +17,18 @@ from ._exceptions import UnroutableError as UnroutableError
 from ._exceptions import UtilityCallError as UtilityCallError
 from ._public import publish
 from ._version import __version__ as __version__
-from .protocol import ENGINE_CORE_DEAD as ENGINE_CORE_DEAD
-from .protocol import PROFILES as PROFILES
-from .protocol import ClientCodec as ClientCodec
-from .protocol import EngineCodec as EngineCodec
-from .protocol import EngineCoreEvent as EngineCoreEvent
-from .protocol import EngineCoreEventType as EngineCoreEventType
-from .protocol import EngineCoreOutput as EngineCoreOutput
-from .protocol import EngineCoreOutputs as EngineCoreOutputs
-from .protocol import EngineCoreReadyResponse as EngineCoreReadyResponse
-from .protocol import EngineCoreRequest as EngineCoreRequest
-from .protocol import FinishReason as FinishReason
-from .protocol import LogprobsLists as LogprobsLists
-from .protocol import LogprobsTensors as LogprobsTensors
-from .protocol import LoRARequest as LoRARequest
-from .protocol import PoolingParams as PoolingParams
-from .protocol import ProtocolProfile as ProtocolProfile
-from .protocol import RawTensor as RawTensor
-from .protocol import RequestOutputKind as RequestOutputKind
-from .protocol import RequestType as RequestType
-from .protocol import SamplingParams as SamplingParams
-from .protocol import SchedulerStats as SchedulerStats
-from .protocol import StructuredOutputsParams as StructuredOutputsParams
-from .protocol import UtilityOutput as UtilityOutput
-from .protocol import UtilityResult as UtilityResult
-from .protocol import profile_for_version as profile_for_version
-from .protocol import validate_request as validate_request
 
+# Not ``from typing import TYPE_CHECKING``: typing costs more to import than the rest of
+# this module (mypy knows the name either way).
+TYPE_CHECKING = False
 if TYPE_CHECKING:
-    # Loaded on first use (__getattr__ below): the client pulls in anyio (and trio) and
-    # engine processes (python -m trio_vllm.reference_engine) never need it.
+    # Loaded on first use (__getattr__ below). The protocol layer pulls in msgspec and
+    # numpy (~100 ms), the client anyio (and trio): ``import trio_vllm`` itself stays
+    # a few pure-Python modules, so the ``trio-vllm`` command is inside its Ctrl-C
+    # handler before anything heavy is imported, and engine processes
+    # (python -m trio_vllm.reference_engine) never load the client.
+    from typing import Any
+
     from .client import EngineCoreClient as EngineCoreClient
     from .client import EngineEvent as EngineEvent
     from .client import EngineEvents as EngineEvents
@@ -69,6 +48,32 @@ if TYPE_CHECKING:
     from .llm import SyncLLM as SyncLLM
     from .llm import SyncRequestOutputStream as SyncRequestOutputStream
     from .llm import open_llm as open_llm
+    from .protocol import ENGINE_CORE_DEAD as ENGINE_CORE_DEAD
+    from .protocol import PROFILES as PROFILES
+    from .protocol import ClientCodec as ClientCodec
+    from .protocol import EngineCodec as EngineCodec
+    from .protocol import EngineCoreEvent as EngineCoreEvent
+    from .protocol import EngineCoreEventType as EngineCoreEventType
+    from .protocol import EngineCoreOutput as EngineCoreOutput
+    from .protocol import EngineCoreOutputs as EngineCoreOutputs
+    from .protocol import EngineCoreReadyResponse as EngineCoreReadyResponse
+    from .protocol import EngineCoreRequest as EngineCoreRequest
+    from .protocol import FinishReason as FinishReason
+    from .protocol import LogprobsLists as LogprobsLists
+    from .protocol import LogprobsTensors as LogprobsTensors
+    from .protocol import LoRARequest as LoRARequest
+    from .protocol import PoolingParams as PoolingParams
+    from .protocol import ProtocolProfile as ProtocolProfile
+    from .protocol import RawTensor as RawTensor
+    from .protocol import RequestOutputKind as RequestOutputKind
+    from .protocol import RequestType as RequestType
+    from .protocol import SamplingParams as SamplingParams
+    from .protocol import SchedulerStats as SchedulerStats
+    from .protocol import StructuredOutputsParams as StructuredOutputsParams
+    from .protocol import UtilityOutput as UtilityOutput
+    from .protocol import UtilityResult as UtilityResult
+    from .protocol import profile_for_version as profile_for_version
+    from .protocol import validate_request as validate_request
     from .sync import SyncClient as SyncClient
     from .sync import SyncEngineEvents as SyncEngineEvents
     from .sync import SyncRequestStream as SyncRequestStream
@@ -81,6 +86,32 @@ if TYPE_CHECKING:
     from .text import TokensPrompt as TokensPrompt
 
 _LAZY: dict[str, str] = {
+    "ENGINE_CORE_DEAD": ".protocol",
+    "PROFILES": ".protocol",
+    "ClientCodec": ".protocol",
+    "EngineCodec": ".protocol",
+    "EngineCoreEvent": ".protocol",
+    "EngineCoreEventType": ".protocol",
+    "EngineCoreOutput": ".protocol",
+    "EngineCoreOutputs": ".protocol",
+    "EngineCoreReadyResponse": ".protocol",
+    "EngineCoreRequest": ".protocol",
+    "FinishReason": ".protocol",
+    "LogprobsLists": ".protocol",
+    "LogprobsTensors": ".protocol",
+    "LoRARequest": ".protocol",
+    "PoolingParams": ".protocol",
+    "ProtocolProfile": ".protocol",
+    "RawTensor": ".protocol",
+    "RequestOutputKind": ".protocol",
+    "RequestType": ".protocol",
+    "SamplingParams": ".protocol",
+    "SchedulerStats": ".protocol",
+    "StructuredOutputsParams": ".protocol",
+    "UtilityOutput": ".protocol",
+    "UtilityResult": ".protocol",
+    "profile_for_version": ".protocol",
+    "validate_request": ".protocol",
     "EngineCoreClient": ".client",
     "EngineEvent": ".client",
     "EngineEvents": ".client",
@@ -112,44 +143,18 @@ _LAZY: dict[str, str] = {
     "TokensPrompt": ".text",
 }
 
-_LAZY_SUBMODULES = frozenset({"client", "llm", "sync", "text", "transport"})
+_LAZY_SUBMODULES = frozenset({"client", "llm", "protocol", "sync", "text", "transport"})
 
 __all__ = [
-    "ENGINE_CORE_DEAD",
-    "PROFILES",
-    "ClientCodec",
-    "EngineCodec",
-    "EngineCoreEvent",
-    "EngineCoreEventType",
-    "EngineCoreOutput",
-    "EngineCoreOutputs",
-    "EngineCoreReadyResponse",
-    "EngineCoreRequest",
     "EngineDeadError",
     "EngineStartupError",
-    "FinishReason",
     "InsecureSerializationError",
     "InvalidRequestError",
-    "LoRARequest",
-    "LogprobsLists",
-    "LogprobsTensors",
-    "PoolingParams",
     "ProtocolError",
-    "ProtocolProfile",
-    "RawTensor",
-    "RequestOutputKind",
-    "RequestType",
-    "SamplingParams",
-    "SchedulerStats",
-    "StructuredOutputsParams",
     "TrioVllmError",
     "UnroutableError",
     "UtilityCallError",
-    "UtilityOutput",
-    "UtilityResult",
     "__version__",
-    "profile_for_version",
-    "validate_request",
     *_LAZY,
 ]
 
@@ -158,16 +163,29 @@ publish(__name__, globals(), __all__)
 
 
 def __getattr__(name: str) -> Any:
-    """PEP 562: import the client-side names on first access (then cached here)."""
+    """PEP 562: import a public name's module on first access; every public name of
+    that module is then published and cached here."""
+    import importlib
+
     if name in _LAZY_SUBMODULES:  # ``import trio_vllm; trio_vllm.client`` worked before
-        return importlib.import_module(f".{name}", __name__)
+        submodule = importlib.import_module(f".{name}", __name__)
+        if f".{name}" in _LAZY.values():
+            _load(f".{name}", submodule)
+        return submodule
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    publish(__name__, {name: value}, [name])
-    globals()[name] = value
-    return value
+    _load(module, importlib.import_module(module, __name__))
+    return globals()[name]
+
+
+def _load(module: str, namespace: object) -> None:
+    # All of a module's names at once: ``trio_vllm.protocol``'s classes say
+    # ``trio_vllm`` in their ``__module__`` after any first use, as when it was eager.
+    names = [n for n, m in _LAZY.items() if m == module]
+    values = {n: getattr(namespace, n) for n in names}
+    publish(__name__, values, names)
+    globals().update(values)
 
 
 def __dir__() -> list[str]:

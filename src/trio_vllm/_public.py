@@ -9,9 +9,7 @@ msgspec structs keep their own module: msgspec resolves their annotations in it.
 
 from __future__ import annotations
 
-import contextlib
-
-import msgspec
+import sys
 
 __all__ = ["publish"]
 
@@ -20,9 +18,13 @@ def publish(module: str, namespace: dict[str, object], names: list[str]) -> None
     """Set ``__module__`` to ``module`` on each class or function named in ``names``
     that trio-vllm defines (constants, msgspec structs and foreign objects are left
     alone)."""
+    # Without msgspec imported nothing can be a struct: ``import trio_vllm`` stays free of
+    # it (the CLI's Ctrl-C handler must be in place before anything heavy is imported).
+    msgspec = sys.modules.get("msgspec")
+    struct: type | None = None if msgspec is None else msgspec.Struct
     for name in names:
         obj = namespace.get(name)
-        if isinstance(obj, type) and issubclass(obj, msgspec.Struct):
+        if struct is not None and isinstance(obj, type) and issubclass(obj, struct):
             continue
         current = getattr(obj, "__module__", None)
         if (
@@ -30,5 +32,7 @@ def publish(module: str, namespace: dict[str, object], names: list[str]) -> None
             and current.startswith("trio_vllm.")
             and (isinstance(obj, type) or callable(obj))
         ):
-            with contextlib.suppress(AttributeError, TypeError):  # e.g. a builtin
+            try:  # noqa: SIM105 - contextlib is one import more for ``import trio_vllm``
                 obj.__module__ = module
+            except (AttributeError, TypeError):  # e.g. a builtin
+                pass

@@ -152,15 +152,12 @@ def test_ctrl_c_while_a_benchmark_runs_exits_130_quietly_and_stops_its_engines()
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
 
 
-@pytest.mark.parametrize(
-    ("args", "module"),
-    [(["generate", "hello"], "trio"), (["bench", "latency", "--rounds", "1"], "anyio")],
-)
-def test_ctrl_c_during_start_up_imports_exits_130_quietly(
-    tmp_path: Path, args: list[str], module: str
-) -> None:
-    marker = tmp_path / "importing"
-    child = _interruptible([*CLI, *args], _env(TRIO_VLLM_TEST_BLOCK_IMPORT=f"{module}:{marker}"))
+def _interrupt_at_import(
+    cmd: list[str], module: str, marker: Path
+) -> tuple[subprocess.Popen[str], str]:
+    """Run ``cmd`` with the first import of ``module`` blocked (``_site``), send SIGINT
+    once the import is reached, and return the process and its stderr."""
+    child = _interruptible(cmd, _env(TRIO_VLLM_TEST_BLOCK_IMPORT=f"{module}:{marker}"))
     try:
         deadline = time.monotonic() + 60
         while not marker.exists():
@@ -173,6 +170,61 @@ def test_ctrl_c_during_start_up_imports_exits_130_quietly(
         if child.poll() is None:
             child.kill()
             child.communicate()
+    return child, err
+
+
+@pytest.mark.parametrize(
+    ("args", "module"),
+    [(["generate", "hello"], "trio"), (["bench", "latency", "--rounds", "1"], "anyio")],
+)
+def test_ctrl_c_during_start_up_imports_exits_130_quietly(
+    tmp_path: Path, args: list[str], module: str
+) -> None:
+    child, err = _interrupt_at_import([*CLI, *args], module, tmp_path / "importing")
     assert child.returncode == 130, err
     assert "Traceback" not in err, err
     assert "KeyboardInterrupt" not in err, err
+
+
+# What pip writes into the ``trio-vllm`` console script, less the argv[0] fix-up.
+CONSOLE_SCRIPT = [
+    sys.executable, "-c", "import re, sys\nfrom trio_vllm.cli import main\nsys.exit(main())"
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("launcher", ["python -m", "console script"])
+@pytest.mark.parametrize("module", ["msgspec", "numpy"])
+def test_ctrl_c_while_trio_vllm_itself_imports_exits_130_quietly(
+    tmp_path: Path, launcher: str, module: str
+) -> None:
+    # msgspec and numpy are the first heavy imports of the protocol layer, which
+    # ``import trio_vllm`` used to load before the command's handler existed.
+    cmd = [*(CLI if launcher == "python -m" else CONSOLE_SCRIPT), "generate", "hello"]
+    child, err = _interrupt_at_import(cmd, module, tmp_path / "importing")
+    assert child.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert "KeyboardInterrupt" not in err, err
+
+
+def test_the_console_script_reaches_main_before_any_heavy_import() -> None:
+    """What runs before ``main``'s Ctrl-C handler: ``import trio_vllm`` and the
+    ``trio_vllm.cli`` package, a few pure-Python modules (argparse, msgspec, numpy,
+    anyio and the protocol layer are imported inside ``main``)."""
+    code = (
+        "import sys\n"
+        "before = set(sys.modules)\n"
+        "from trio_vllm.cli import main\n"
+        "print(' '.join(sorted(set(sys.modules) - before)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+        env=_env(),
+    )  # fmt: skip
+    assert out.stdout.split() == [
+        "__future__",
+        "trio_vllm",
+        "trio_vllm._exceptions",
+        "trio_vllm._public",
+        "trio_vllm._version",
+        "trio_vllm.cli",
+    ]

@@ -33,7 +33,7 @@ def test_debug_adds_the_client_records_and_quiet_by_default() -> None:
 
 
 def test_the_top_level_verbosity_and_a_subcommand_s_own_v_are_separate() -> None:
-    from trio_vllm.cli import _build_parser
+    from trio_vllm.cli._main import _build_parser
 
     top = _build_parser().parse_args(["-vv", "wire", "check", "DIR"])
     assert (top.log_verbosity, top.verbose) == (2, False)
