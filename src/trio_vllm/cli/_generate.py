@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import shlex
 import shutil
 import signal
 import sys
@@ -29,17 +28,18 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
+from ._engines import EnginePlan, UsageError, add_engine_arguments, engine_plan, engine_source
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from ..client import EngineSource, StartupProgress
+    from ..client import StartupProgress
     from ..llm import LLM
     from ..protocol import SamplingParams
     from ..text import CompletionOutput, RequestOutput
 
 __all__ = ["add_generate_parser", "run_generate"]
 
-_REFERENCE_MODELS = ("echo", "tiny")
 # Options whose value may itself look like an option (``--engine-args "--x=1"``).
 _RAW_VALUE_OPTIONS = ("--engine-args",)
 
@@ -143,52 +143,14 @@ def add_generate_parser(commands: Any) -> None:
         help="also stop at this id (the model directory's EOS ids always apply)",
     )
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
-    e = p.add_argument_group("engines")
-    e.add_argument(
-        "--engine",
-        choices=("reference", "vllm"),
-        default="reference",
-        help="spawn the bundled reference engine (default) or stock vLLM",
-    )
-    e.add_argument(
-        "--model",
-        default=None,
-        help="the model directory (tokenizer, chat template, EOS); reference engine: also "
-        "echo (default) or tiny, its own models with its own tokenizer; vllm: the model "
+    add_engine_arguments(
+        p,
+        model_help="the model directory (tokenizer, chat template, EOS); reference engine: "
+        "also echo (default) or tiny, its own models with its own tokenizer; vllm: the model "
         "path, as for vllm serve",
-    )
-    e.add_argument(
-        "--reference-model",
-        choices=_REFERENCE_MODELS,
-        default=None,
-        help="the reference engine's model when --model is a directory (default echo)",
-    )
-    e.add_argument("--vllm-python", metavar="PY", help="python with vLLM (--engine vllm)")
-    e.add_argument(
-        "--engine-args",
-        default="",
-        metavar="ARGS",
-        help="more engine arguments as one string: `vllm serve`'s with --engine vllm "
-        '(e.g. "--load-format dummy"), the reference engine\'s otherwise; a value '
+        engine_args_help="more engine arguments as one string: `vllm serve`'s with --engine "
+        'vllm (e.g. "--load-format dummy"), the reference engine\'s otherwise; a value '
         'starting with a dash works ("--startup-delay=1")',
-    )
-    e.add_argument(
-        "--connect",
-        metavar="tcp://HOST:PORT",
-        help="bind this handshake address and wait for engines started elsewhere",
-    )
-    e.add_argument("--engines", type=int, default=1, metavar="N", help="engine count")
-    e.add_argument(
-        "--advertise-host",
-        metavar="HOST",
-        help="with --connect on a wildcard address: the host engines reach us at",
-    )
-    e.add_argument(
-        "--ready-timeout",
-        type=float,
-        default=None,
-        metavar="S",
-        help="seconds to wait for engines (default: VLLM_ENGINE_READY_TIMEOUT_S or 600)",
     )
     o = p.add_argument_group("output")
     o.add_argument(
@@ -209,19 +171,15 @@ def add_generate_parser(commands: Any) -> None:
 # ---------------------------------------------------------------------- arguments
 
 
-class _UsageError(Exception):
-    pass
-
-
 def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(part) for part in text.replace(" ", "").split(",") if part]
     except ValueError:
-        raise _UsageError(
+        raise UsageError(
             f"--prompt-token-ids: expected comma-separated ints, got {text!r}"
         ) from None
     if not ids:
-        raise _UsageError("--prompt-token-ids: empty prompt")
+        raise UsageError("--prompt-token-ids: empty prompt")
     return ids
 
 
@@ -229,59 +187,31 @@ def _parse_ids(text: str) -> list[int]:
 class _Plan:
     """What the arguments mean, checked before anything starts."""
 
-    model_dir: str
-    reference_model: str | None  # None: not the reference engine
-    engine_args: list[str]
+    engines: EnginePlan
     prompts: list[str | list[int]]
     params: SamplingParams
     messages: list[list[dict[str, str]]] | None = None
 
-
-def _model_plan(args: argparse.Namespace) -> tuple[str, str | None]:
-    """``(model directory for the tokenizer, reference model or None)``."""
-    from ..reference_engine import MODEL_DIR
-
-    if args.connect is not None:
-        if args.engine != "reference" or args.reference_model is not None:
-            raise _UsageError(
-                "--connect waits for engines started elsewhere: drop --engine and "
-                "--reference-model (--model DIR still names the tokenizer)"
-            )
-        return (args.model or MODEL_DIR), None
-    if args.engine == "vllm":
-        if not args.model:
-            raise _UsageError("--engine vllm needs --model (a path or name, as for vllm serve)")
-        if not args.vllm_python:
-            raise _UsageError("--engine vllm needs --vllm-python, a python with vLLM installed")
-        return args.model, None
-    model = args.model or "echo"
-    if model in _REFERENCE_MODELS and not os.path.isdir(model):
-        if args.reference_model is not None:
-            raise _UsageError("--reference-model goes with --model DIR")
-        return MODEL_DIR, model
-    if not os.path.isdir(model):
-        raise _UsageError(
-            f"the reference engine has models echo and tiny, or give a model directory: "
-            f"{model!r} is neither"
-        )
-    return model, args.reference_model or "echo"
+    @property
+    def model_dir(self) -> str:
+        return self.engines.model_dir
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     from ..protocol import RequestOutputKind, SamplingParams
 
     if args.max_tokens < 1:
-        raise _UsageError("--max-tokens must be at least 1")
+        raise UsageError("--max-tokens must be at least 1")
     if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise _UsageError("--temperature must be >= 0")
+        raise UsageError("--temperature must be >= 0")
     if args.n < 1:
-        raise _UsageError("--n must be at least 1")
+        raise UsageError("--n must be at least 1")
     # Checked here: SamplingParams resets top_p/top_k for greedy requests, as vLLM does
     # after its own checks, so the text layer never sees a bad value given with T=0.
     if args.top_p is not None and not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
-        raise _UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k is not None and args.top_k < -1:
-        raise _UsageError(f"--top-k must be -1 or 0 (off) or at least 1, got {args.top_k}")
+        raise UsageError(f"--top-k must be -1 or 0 (off) or at least 1, got {args.top_k}")
     values: dict[str, Any] = {
         "n": args.n,
         "max_tokens": args.max_tokens,
@@ -304,27 +234,20 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _plan(args: argparse.Namespace) -> _Plan:
-    if args.engines < 1:
-        raise _UsageError("--engines must be at least 1")
-    try:
-        engine_args = shlex.split(args.engine_args)
-    except ValueError as exc:
-        raise _UsageError(f"--engine-args: {exc}") from None
-    model_dir, reference_model = _model_plan(args)
+    engines = engine_plan(args)
     prompts: list[str | list[int]] = list(args.prompts)
     prompts += [_parse_ids(ids) for ids in args.prompt_token_ids]
     if not prompts:
-        raise _UsageError("give a PROMPT or --prompt-token-ids")
+        raise UsageError("give a PROMPT or --prompt-token-ids")
     messages = None
     if args.chat:
         if args.prompt_token_ids:
-            raise _UsageError("--chat takes text prompts, not --prompt-token-ids")
+            raise UsageError("--chat takes text prompts, not --prompt-token-ids")
         system = [{"role": "system", "content": args.system}] if args.system else []
         messages = [[*system, {"role": "user", "content": p}] for p in args.prompts]
     elif args.system is not None:
-        raise _UsageError("--system goes with --chat")
-    return _Plan(model_dir, reference_model, engine_args, prompts, _sampling_params(args),
-                 messages)  # fmt: skip
+        raise UsageError("--system goes with --chat")
+    return _Plan(engines, prompts, _sampling_params(args), messages)
 
 
 def _load_model(plan: _Plan) -> Any:
@@ -335,7 +258,7 @@ def _load_model(plan: _Plan) -> Any:
         files = ModelFiles(plan.model_dir)
         tokenizer = files.load_tokenizer()
     except (OSError, ValueError) as exc:
-        raise _UsageError(
+        raise UsageError(
             f"--model: cannot load the tokenizer of {plan.model_dir!r}: {exc}"
         ) from None
     return files, tokenizer
@@ -357,29 +280,7 @@ def _precheck(plan: _Plan, files: Any, tokenizer: Any) -> None:
             for prompt in plan.prompts:
                 inputs.process_inputs("check", prompt, plan.params)
     except InvalidRequestError as exc:
-        raise _UsageError(str(exc)) from None
-
-
-def _engine_source(args: argparse.Namespace, plan: _Plan) -> EngineSource:
-    from ..client import ExternalEngines, ReferenceEngines, VllmEngines
-    from ..reference_engine import MODEL_DIR
-
-    if args.connect is not None:
-        try:
-            return ExternalEngines(
-                args.connect, count=args.engines, advertise_host=args.advertise_host
-            )
-        except ValueError as exc:
-            raise _UsageError(f"--connect: {exc}") from None
-    if args.engine == "vllm":
-        return VllmEngines(
-            args.model, python=args.vllm_python, extra_args=plan.engine_args, count=args.engines
-        )
-    assert plan.reference_model is not None
-    extra = list(plan.engine_args)
-    if plan.model_dir != MODEL_DIR:
-        extra = ["--model-dir", plan.model_dir, *extra]
-    return ReferenceEngines(args.engines, model=plan.reference_model, extra_args=extra)
+        raise UsageError(str(exc)) from None
 
 
 # ---------------------------------------------------------------------- progress
@@ -463,7 +364,7 @@ def _short_name(args: argparse.Namespace, plan: _Plan) -> str:
         return f"{args.engines} engine{plural} at {args.connect}"
     if args.engine == "vllm":
         return f"{args.engines} vLLM engine{plural}"
-    return f"{args.engines} reference engine{plural} ({plan.reference_model})"
+    return f"{args.engines} reference engine{plural} ({plan.engines.reference_model})"
 
 
 def _logprobs_json(completion: CompletionOutput) -> list[list[dict[str, Any]]] | None:
@@ -594,7 +495,7 @@ async def _generate(args: argparse.Namespace, plan: _Plan, files: Any, tokenizer
     from ..client import open_client
     from ..llm import LLM
 
-    engines = _engine_source(args, plan)
+    engines = engine_source(args, plan.engines)
     out, err = sys.stdout, sys.stderr
     progress = _Progress(err, _short_name(args, plan), enabled=not args.quiet)
     output = _Output(args, len(plan.prompts), out, err)
@@ -660,8 +561,8 @@ def run_generate(args: argparse.Namespace) -> int:
         plan = _plan(args)
         files, tokenizer = _load_model(plan)
         _precheck(plan, files, tokenizer)
-        _engine_source(args, plan)  # validate early, before anything starts
-    except _UsageError as exc:
+        engine_source(args, plan.engines)  # validate early, before anything starts
+    except UsageError as exc:
         sys.stderr.write(f"trio-vllm generate: error: {exc}\n")
         return 2
     try:

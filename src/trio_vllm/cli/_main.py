@@ -196,4 +196,3 @@ def run(argv: Sequence[str] | None) -> int:
             return 1
         raise
     return status
-

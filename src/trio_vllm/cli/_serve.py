@@ -18,22 +18,15 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import sys
 from typing import TYPE_CHECKING, Any
+
+from ._engines import EnginePlan, UsageError, add_engine_arguments, engine_plan, engine_source
 
 if TYPE_CHECKING:
     import argparse
 
-    from ..client import EngineSource
-
 __all__ = ["add_parser", "run"]
-
-_REFERENCE_MODELS = ("echo", "tiny")
-
-
-class _UsageError(Exception):
-    pass
 
 
 def add_parser(commands: Any) -> None:
@@ -97,115 +90,23 @@ def add_parser(commands: Any) -> None:
         "exiting with status 1",
     )
     h.add_argument("--access-log", action="store_true", help="log every request (hypercorn)")
-    e = p.add_argument_group("engines")
-    e.add_argument(
-        "--engine",
-        choices=("reference", "vllm"),
-        default="reference",
-        help="spawn the bundled reference engine (default) or stock vLLM",
-    )
-    e.add_argument(
-        "--model",
-        default=None,
-        help="the model directory (tokenizer, chat template, generation config); "
+    add_engine_arguments(
+        p,
+        model_help="the model directory (tokenizer, chat template, generation config); "
         "reference engine: also echo (default) or tiny with its own byte-level tokenizer; "
         "vllm: the model path, as for vllm serve",
-    )
-    e.add_argument(
-        "--reference-model",
-        choices=_REFERENCE_MODELS,
-        default=None,
-        help="the reference engine's model when --model is a directory (default echo)",
-    )
-    e.add_argument("--vllm-python", metavar="PY", help="python with vLLM (--engine vllm)")
-    e.add_argument(
-        "--engine-args",
-        default="",
-        metavar="ARGS",
-        help="more engine arguments as one string: `vllm serve`'s with --engine vllm, the "
-        'reference engine\'s otherwise (e.g. "--max-num-seqs=256")',
-    )
-    e.add_argument(
-        "--connect",
-        metavar="tcp://HOST:PORT",
-        help="bind this handshake address and wait for engines started elsewhere",
-    )
-    e.add_argument("--engines", type=int, default=1, metavar="N", help="engine count")
-    e.add_argument(
-        "--advertise-host",
-        metavar="HOST",
-        help="with --connect on a wildcard address: the host engines reach us at",
-    )
-    e.add_argument(
-        "--ready-timeout",
-        type=float,
-        default=None,
-        metavar="S",
-        help="seconds to wait for engines (default: VLLM_ENGINE_READY_TIMEOUT_S or 600)",
+        engine_args_help="more engine arguments as one string: `vllm serve`'s with --engine "
+        'vllm, the reference engine\'s otherwise (e.g. "--max-num-seqs=256")',
     )
 
 
-def _model_plan(args: argparse.Namespace) -> tuple[str, str | None]:
-    """``(model directory for the tokenizer, reference model or None)``."""
-    from ..reference_engine import MODEL_DIR
-
+def _engine_plan(args: argparse.Namespace) -> EnginePlan:
+    """The engine options, with vllm serve's positional MODEL as ``--model``."""
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
-            raise _UsageError("give the model once: as MODEL or as --model")
+            raise UsageError("give the model once: as MODEL or as --model")
         args.model = args.model_tag
-    if args.connect is not None:
-        if args.engine != "reference" or args.reference_model is not None:
-            raise _UsageError(
-                "--connect waits for engines started elsewhere: drop --engine and "
-                "--reference-model (--model DIR still names the tokenizer)"
-            )
-        return (args.model or MODEL_DIR), None
-    if args.engine == "vllm":
-        if not args.model:
-            raise _UsageError("--engine vllm needs --model (a path, as for vllm serve)")
-        if not args.vllm_python:
-            raise _UsageError("--engine vllm needs --vllm-python, a python with vLLM installed")
-        return args.model, None
-    model = args.model or "echo"
-    if model in _REFERENCE_MODELS and not os.path.isdir(model):
-        if args.reference_model is not None:
-            raise _UsageError("--reference-model goes with --model DIR")
-        return MODEL_DIR, model
-    if not os.path.isdir(model):
-        raise _UsageError(
-            f"the reference engine has models echo and tiny, or give a model directory: "
-            f"{model!r} is neither"
-        )
-    return model, args.reference_model or "echo"
-
-
-def _engine_source(
-    args: argparse.Namespace, model_dir: str, reference_model: str | None
-) -> EngineSource:
-    from ..client import ExternalEngines, ReferenceEngines, VllmEngines
-    from ..reference_engine import MODEL_DIR
-
-    if args.engines < 1:
-        raise _UsageError("--engines must be at least 1")
-    try:
-        engine_args = shlex.split(args.engine_args)
-    except ValueError as exc:
-        raise _UsageError(f"--engine-args: {exc}") from None
-    if args.connect is not None:
-        try:
-            return ExternalEngines(
-                args.connect, count=args.engines, advertise_host=args.advertise_host
-            )
-        except ValueError as exc:
-            raise _UsageError(f"--connect: {exc}") from None
-    if args.engine == "vllm":
-        return VllmEngines(
-            args.model, python=args.vllm_python, extra_args=engine_args, count=args.engines
-        )
-    assert reference_model is not None
-    if model_dir != MODEL_DIR:
-        engine_args = ["--model-dir", model_dir, *engine_args]
-    return ReferenceEngines(args.engines, model=reference_model, extra_args=engine_args)
+    return engine_plan(args)
 
 
 def _log_to_stderr(args: argparse.Namespace) -> None:
@@ -239,17 +140,17 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        model_dir, reference_model = _model_plan(args)
-        engines = _engine_source(args, model_dir, reference_model)
+        plan = _engine_plan(args)
+        engines = engine_source(args, plan)
         if not 0 <= args.port <= 65535:
-            raise _UsageError(f"--port must be in [0, 65535], got {args.port}")
+            raise UsageError(f"--port must be in [0, 65535], got {args.port}")
         body_limit = args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES
         if body_limit < 1:
-            raise _UsageError("--max-request-body-bytes must be at least 1")
+            raise UsageError("--max-request-body-bytes must be at least 1")
         grace = DEFAULT_SHUTDOWN_GRACE if args.shutdown_grace is None else args.shutdown_grace
         if grace < 0:
-            raise _UsageError("--shutdown-grace must be >= 0")
-    except _UsageError as exc:
+            raise UsageError("--shutdown-grace must be >= 0")
+    except UsageError as exc:
         sys.stderr.write(f"{prog}: error: {exc}\n")
         return 2
     keys = args.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
@@ -261,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         return trio.run(
             lambda: run_openai_server(
                 engines,
-                model=model_dir,
+                model=plan.model_dir,
                 served_model_names=args.served_model_name,
                 host=args.host,
                 port=args.port,
