@@ -14,10 +14,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import pytest
 
 import trio_vllm
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+T = TypeVar("T")
 
 CLI = [sys.executable, "-m", "trio_vllm.cli"]
 SITE = Path(__file__).parent / "_site"
@@ -132,13 +138,17 @@ def _children(pid: int) -> set[int]:
     return found
 
 
-def test_ctrl_c_while_a_benchmark_runs_exits_130_quietly_and_stops_its_engines() -> None:
-    child = _interruptible([*CLI, "bench", "latency", "--rounds", "10000000"], _env())
+def _interrupt_when(
+    cmd: list[str], env: dict[str, str], reached: Callable[[int], T], what: str
+) -> tuple[subprocess.Popen[str], str, T]:
+    """Run ``cmd``, poll ``reached(pid)`` until it is true, send SIGINT, and return the
+    process, its stderr and what ``reached`` returned."""
+    child = _interruptible(cmd, env)
     try:
         deadline = time.monotonic() + 60
-        while not (engines := _children(child.pid)):
+        while not (value := reached(child.pid)):
             assert child.poll() is None, child.communicate()
-            assert time.monotonic() < deadline, "no engine was started"
+            assert time.monotonic() < deadline, f"{what} was never reached"
             time.sleep(0.02)
         child.send_signal(signal.SIGINT)
         _, err = child.communicate(timeout=60)
@@ -146,6 +156,12 @@ def test_ctrl_c_while_a_benchmark_runs_exits_130_quietly_and_stops_its_engines()
         if child.poll() is None:
             child.kill()
             child.communicate()
+    return child, err, value
+
+
+def test_ctrl_c_while_a_benchmark_runs_exits_130_quietly_and_stops_its_engines() -> None:
+    cmd = [*CLI, "bench", "latency", "--rounds", "10000000"]
+    child, err, engines = _interrupt_when(cmd, _env(), _children, "an engine start")
     assert child.returncode == 130, err
     assert "Traceback" not in err, err
     for pid in engines:  # reaped by the client on its way out
@@ -155,21 +171,10 @@ def test_ctrl_c_while_a_benchmark_runs_exits_130_quietly_and_stops_its_engines()
 def _interrupt_at_import(
     cmd: list[str], module: str, marker: Path
 ) -> tuple[subprocess.Popen[str], str]:
-    """Run ``cmd`` with the first import of ``module`` blocked (``_site``), send SIGINT
-    once the import is reached, and return the process and its stderr."""
-    child = _interruptible(cmd, _env(TRIO_VLLM_TEST_BLOCK_IMPORT=f"{module}:{marker}"))
-    try:
-        deadline = time.monotonic() + 60
-        while not marker.exists():
-            assert child.poll() is None, child.communicate()
-            assert time.monotonic() < deadline, "the import was never reached"
-            time.sleep(0.02)
-        child.send_signal(signal.SIGINT)
-        _, err = child.communicate(timeout=60)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.communicate()
+    """Run ``cmd`` with the first import of ``module`` blocked (``_site``) and send
+    SIGINT once the import is reached; returns the process and its stderr."""
+    env = _env(TRIO_VLLM_TEST_BLOCK_IMPORT=f"{module}:{marker}")
+    child, err, _ = _interrupt_when(cmd, env, lambda _: marker.exists(), f"import {module}")
     return child, err
 
 
