@@ -24,7 +24,6 @@ one thread at a time.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import functools
 import threading
@@ -35,6 +34,7 @@ import anyio
 import anyio.from_thread
 
 from ._exceptions import EngineDeadError
+from ._portal import BlockingStream, call_in_loop, close_streams
 from ._public import publish
 from .client import open_client
 from .client._startup import DEFAULT_SHUTDOWN_GRACE
@@ -87,7 +87,7 @@ def _stop_portal(portal: anyio.from_thread.BlockingPortal) -> None:
 
 
 @final
-class SyncRequestStream:
+class SyncRequestStream(BlockingStream):
     """The outputs of one request, as a blocking iterator; from `SyncClient.generate`.
 
     The request is sent when `SyncClient.generate` returns. ``next()`` blocks
@@ -107,11 +107,9 @@ class SyncRequestStream:
         context: contextlib.AbstractContextManager[RequestStream],
         stream: RequestStream,
     ) -> None:
-        self._owner = owner
-        self._context = context
+        super().__init__(owner, context)
+        self._owner: SyncClient = owner
         self._stream = stream
-        self._closed = False
-        self._lock = threading.Lock()
         # Outputs fetched in one portal round trip and not handed out yet; only the
         # iterating thread touches it.
         self._batch: collections.deque[EngineCoreOutput] = collections.deque()
@@ -184,42 +182,17 @@ class SyncRequestStream:
         self._finish(None)
 
     def _finish(self, exc: BaseException | None) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
         # The batch is left alone: the iterating thread may be between its emptiness
         # check and its popleft (close() may come from any thread); once closed,
         # __next__ hands nothing more out anyway.
-        self._owner._streams.discard(self)
-        if self._owner._portal is None:
-            return  # the client already closed; open_client cleaned everything up
+        if not self._close_once():
+            return
         if exc is None:
             self._context.__exit__(None, None, None)
         else:
             # Exceptions the async side raised itself are not passed back into it.
             with contextlib.suppress(BaseException):
                 self._context.__exit__(None, None, None)
-
-    def __enter__(self) -> SyncRequestStream:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        # Best effort for a stream dropped unfinished (e.g. ``break`` in a for loop).
-        # Never from the event-loop thread: a portal call there would deadlock, and
-        # closing the client cleans such streams up anyway.
-        if self._closed or threading.get_ident() == self._owner._loop_thread_id:
-            return
-        with contextlib.suppress(Exception):
-            self.close()
 
 
 class SyncEngineEvents:
@@ -311,7 +284,7 @@ class SyncClient(NamedUtilities):
         self._portal: anyio.from_thread.BlockingPortal | None = None
         self._client: EngineCoreClient | None = None
         self._loop_thread_id: int | None = None
-        self._streams: weakref.WeakSet[SyncRequestStream] = weakref.WeakSet()
+        self._streams: weakref.WeakSet[BlockingStream] = weakref.WeakSet()
         self._close_lock = threading.Lock()
         self._used = False
         self._events = SyncEngineEvents(self)
@@ -361,9 +334,7 @@ class SyncClient(NamedUtilities):
             if stack is None:
                 return
             try:
-                for stream in list(self._streams):
-                    with contextlib.suppress(Exception):
-                        stream.close()
+                close_streams(self._streams)
             finally:
                 self._portal = None
                 stack.close()
@@ -387,27 +358,25 @@ class SyncClient(NamedUtilities):
         portal = self._portal
         if portal is None:
             raise self._closed_error()
-        if threading.get_ident() == self._loop_thread_id:
-            raise RuntimeError("SyncClient methods cannot be called from its own event loop")
-        try:
-            if kwargs:
-                func = functools.partial(func, **kwargs)
-            future = portal.start_task_soon(func, *args)
-        except RuntimeError:
-            # The portal stopped between our check and the call: the client is closed.
-            raise self._closed_error() from None
-        try:
-            return future.result()
-        except concurrent.futures.CancelledError:
-            # Cancelled by close() stopping the portal: report it as the client does.
-            if self._client is not None and self._client.dead:
-                raise self._closed_error() from None
-            raise
-        except BaseException:
-            # e.g. KeyboardInterrupt while waiting: cancel the call in the loop, so it
-            # completes or is cancelled with nothing changed (no-op if it finished).
-            future.cancel()
-            raise
+        if kwargs:
+            func = functools.partial(func, **kwargs)
+        return call_in_loop(
+            portal,
+            func,
+            args,
+            loop_thread_id=self._loop_thread_id,
+            owner="SyncClient",
+            closed_error=self._closed_error,
+            dead_error=self._dead_error,
+        )
+
+    def _dead_error(self) -> Exception | None:
+        if self._client is not None and self._client.dead:
+            return self._closed_error()
+        return None
+
+    def _streams_need_closing(self) -> bool:
+        return self._portal is not None
 
     def _closed_error(self) -> Exception:
         dead = None if self._client is None else self._client.dead_error()
@@ -533,10 +502,7 @@ class SyncClient(NamedUtilities):
         context = self.portal.wrap_async_context_manager(
             client.generate(request, rank=rank, max_pending=max_pending)
         )
-        stream = context.__enter__()
-        sync_stream = SyncRequestStream(self, context, stream)
-        self._streams.add(sync_stream)
-        return sync_stream
+        return SyncRequestStream(self, context, context.__enter__())
 
     # ------------------------------------------------------------------ utilities
 

@@ -18,13 +18,13 @@ in the loop, so it leaves nothing behind.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, TypeVar, final
 
+from .._portal import BlockingStream, call_in_loop, close_streams
 from ..sync import SyncClient
 from ._llm import LLM, _engines_model, _final_only
 
@@ -53,7 +53,7 @@ async def _next(stream: RequestOutputStream) -> RequestOutput | None:
 
 
 @final
-class SyncRequestOutputStream:
+class SyncRequestOutputStream(BlockingStream):
     """A text request's outputs as a blocking iterator; from `SyncLLM.generate`.
 
     The request is sent when `SyncLLM.generate` returns; ``next()`` blocks until
@@ -62,11 +62,9 @@ class SyncRequestOutputStream:
     """
 
     def __init__(self, owner: SyncLLM, context: Any, stream: RequestOutputStream) -> None:
-        self._owner = owner
-        self._context = context
+        super().__init__(owner, context)
+        self._owner: SyncLLM = owner
         self._stream = stream
-        self._closed = False
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<SyncRequestOutputStream {self.request_id!r} closed={self._closed}>"
@@ -98,34 +96,11 @@ class SyncRequestOutputStream:
 
     def close(self) -> None:
         """Stop the stream; aborts what has not finished. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._owner._streams.discard(self)
-        if self._owner._client is None:
-            return  # closed with the SyncLLM: open_client cleaned everything up
+        if not self._close_once():
+            return  # closed already, or with the SyncLLM: open_client cleaned up
         # An error here means the client closed meanwhile: nothing is left to abort.
         with contextlib.suppress(Exception):
             self._context.__exit__(None, None, None)
-
-    def __enter__(self) -> SyncRequestOutputStream:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        # Best effort for a stream dropped unfinished; never from the loop thread.
-        if self._closed or threading.get_ident() == self._owner._loop_thread_id:
-            return
-        with contextlib.suppress(Exception):
-            self.close()
 
 
 @final
@@ -162,7 +137,7 @@ class SyncLLM:
         self._client: SyncClient | None = None
         self._llm: LLM | None = None
         self._loop_thread_id: int | None = None
-        self._streams: weakref.WeakSet[SyncRequestOutputStream] = weakref.WeakSet()
+        self._streams: weakref.WeakSet[BlockingStream] = weakref.WeakSet()
         self._used = False
 
     def __enter__(self) -> SyncLLM:
@@ -209,9 +184,7 @@ class SyncLLM:
         if client is None:
             return
         try:
-            for stream in list(self._streams):
-                with contextlib.suppress(Exception):  # closing the client cleans up too
-                    stream.close()
+            close_streams(self._streams)
         finally:
             self._client = None
             client.close()
@@ -248,32 +221,25 @@ class SyncLLM:
 
     def _call(self, func: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``func(*args)`` in the loop thread; cancel it there if we are interrupted."""
-        if threading.get_ident() == self._loop_thread_id:
-            raise RuntimeError("SyncLLM methods cannot be called from its own event loop")
         llm = self.llm
-        try:
-            future = self.portal.start_task_soon(func, *args)
-        except RuntimeError:
-            raise llm.client.dead_error() or RuntimeError("the SyncLLM is closed") from None
-        try:
-            return future.result()
-        except concurrent.futures.CancelledError:
-            error = llm.client.dead_error()
-            if error is not None:
-                raise error from None
-            raise
-        except BaseException:
-            future.cancel()  # e.g. KeyboardInterrupt: the call is cancelled in the loop
-            raise
+        return call_in_loop(
+            self.portal,
+            func,
+            args,
+            loop_thread_id=self._loop_thread_id,
+            owner="SyncLLM",
+            closed_error=lambda: llm.client.dead_error() or RuntimeError("the SyncLLM is closed"),
+            dead_error=llm.client.dead_error,
+        )
+
+    def _streams_need_closing(self) -> bool:
+        return self._client is not None
 
     def _open(
         self, context: contextlib.AbstractAsyncContextManager[RequestOutputStream]
     ) -> SyncRequestOutputStream:
         wrapped = self.portal.wrap_async_context_manager(context)
-        stream = wrapped.__enter__()
-        sync_stream = SyncRequestOutputStream(self, wrapped, stream)
-        self._streams.add(sync_stream)
-        return sync_stream
+        return SyncRequestOutputStream(self, wrapped, wrapped.__enter__())
 
     def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
