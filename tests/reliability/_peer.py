@@ -47,14 +47,16 @@ from trio_vllm.transport import AsyncSocket
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
 
+    from trio_vllm import EngineSource
     from trio_vllm.client._process import EngineProcess
 
 
 class PeerEngines(ReferenceEngines):
-    """An engine source for ``count`` in-process :class:`Peer` s (nothing is spawned)."""
+    """An engine source for ``count`` in-process :class:`Peer` s (nothing is spawned),
+    data-parallel ranks from ``start_rank``."""
 
-    def __init__(self, count: int = 1) -> None:
-        super().__init__(count, model="echo")
+    def __init__(self, count: int = 1, *, start_rank: int = 0) -> None:
+        super().__init__(count, model="echo", start_rank=start_rank)
         self.handshake_address: str | None = None
         self.address_known = anyio.Event()
 
@@ -80,7 +82,9 @@ class Peer:
         self.codec = EngineCodec(self.profile)
         self.identity = rank.to_bytes(2, "little")
         self.context: zmq.Context[Any] = zmq.Context()
+        self.input: AsyncSocket | None = None
         self.output: AsyncSocket | None = None
+        self.output_options: dict[int, int | bytes | str] = {}
         self.ready = anyio.Event()
         self.received: list[Any] = []  # decoded input messages, in arrival order
         self.undecodable: list[list[bytes]] = []
@@ -127,8 +131,10 @@ class Peer:
 
     # -- the engine's side of the connection ---------------------------------------------
 
-    async def serve(self, source: PeerEngines) -> None:
-        """Handshake through ``source``'s address, then record input until cancelled."""
+    async def serve(self, source: Any) -> None:
+        """Handshake through ``source``'s address (a :class:`PeerEngines` or anything
+        with its ``handshake_address`` and ``address_known``), then `receive` until
+        cancelled."""
         await source.address_known.wait()
         assert source.handshake_address is not None
         ident: dict[int, int | bytes | str] = {zmq.IDENTITY: self.identity}
@@ -136,40 +142,82 @@ class Peer:
             AsyncSocket.create(self.context, zmq.DEALER, options=ident, linger=2000) as hs,
             AsyncSocket.create(self.context, zmq.DEALER, options=ident, linger=0) as inp,
         ):
-            self.output = AsyncSocket.create(self.context, zmq.PUSH, linger=0)
+            self.input = inp
+            self.output = AsyncSocket.create(
+                self.context, zmq.PUSH, options=self.output_options, linger=0
+            )
             hs.connect(source.handshake_address)
             await hs.send([encode_hello(local=False, headless=True)])
             (frame, *_) = await hs.receive()
             metadata = decode_handshake_metadata(frame)
             inp.connect(metadata.addresses.inputs[0])
             self.output.connect(metadata.addresses.outputs[0])
+            await self.before_ready()
             response = EngineCoreReadyResponse(
                 max_model_len=self.max_model_len, vllm_version=self.vllm_version
             )
             await inp.send([encode_ready_response(response, self.profile)])
             await hs.send([encode_ready(HandshakeReady(local=False, headless=True))])
             self.ready.set()
-            while True:
-                frames = [_bytes(f) for f in await inp.receive()]
-                try:
-                    message = self.codec.decode_input(frames)
-                except Exception:
-                    self.undecodable.append(frames)
-                else:
-                    self.received.append(message)
-                    if self.reply_utilities and isinstance(message, UtilityCall):
-                        if message.method == "echo":
-                            await self.reply(message, message.args)
-                        else:
-                            await self.reply(
-                                message,
-                                failure=f"Call to {message.method} method failed: unknown method",
-                            )
-                self.arrived.set()
+            await self.receive(inp)
+
+    async def before_ready(self) -> None:
+        """Runs once the init metadata arrived, before the ready response goes out."""
+
+    async def receive(self, inp: AsyncSocket) -> None:
+        """Record every input message (undecodable ones apart), answering utility
+        calls unless ``reply_utilities`` is off."""
+        while True:
+            frames = [_bytes(f) for f in await inp.receive()]
+            try:
+                message = self.codec.decode_input(frames)
+            except Exception:
+                self.undecodable.append(frames)
+            else:
+                self.received.append(message)
+                if self.reply_utilities and isinstance(message, UtilityCall):
+                    if message.method == "echo":
+                        await self.reply(message, message.args)
+                    else:
+                        await self.reply(
+                            message,
+                            failure=f"Call to {message.method} method failed: unknown method",
+                        )
+            self.arrived.set()
 
 
 def _bytes(frame: Any) -> bytes:
     return frame if isinstance(frame, bytes) else bytes(frame.bytes)
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    peers: Sequence[Peer], source: EngineSource, where: Any = None, **client_options: Any
+) -> AsyncIterator[EngineCoreClient]:
+    """``open_client(source)`` with ``peers`` serving it at ``where``'s address (default:
+    ``source``'s); yields the client once every peer is ready, closes the peers after.
+
+    Exceptions from the body propagate unwrapped.
+    """
+    client_options.setdefault("ready_timeout", 10)
+    try:
+        try:
+            async with anyio.create_task_group() as tg:
+                for peer in peers:
+                    tg.start_soon(peer.serve, source if where is None else where)
+                async with open_client(source, **client_options) as client:
+                    with anyio.fail_after(5):
+                        for peer in peers:
+                            await peer.ready.wait()
+                    yield client
+                tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+    finally:
+        for peer in peers:
+            peer.close()
 
 
 @contextlib.asynccontextmanager
@@ -181,23 +229,8 @@ async def peer_client(
     Exceptions from the body propagate unwrapped.
     """
     peer = peer or Peer()
-    source = PeerEngines()
-    client_options.setdefault("ready_timeout", 10)
-    try:
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(peer.serve, source)
-                async with open_client(source, **client_options) as client:
-                    with anyio.fail_after(5):
-                        await peer.ready.wait()
-                    yield client, peer
-                tg.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
-    finally:
-        peer.close()
+    async with serving([peer], PeerEngines(), **client_options) as client:
+        yield client, peer
 
 
 @contextlib.asynccontextmanager
@@ -206,23 +239,5 @@ async def peers_client(
 ) -> AsyncIterator[tuple[EngineCoreClient, list[Peer]]]:
     """``open_client`` connected to ``count`` peers (data-parallel ranks 0 ..)."""
     peers = [Peer(rank=rank) for rank in range(count)]
-    source = PeerEngines(count)
-    client_options.setdefault("ready_timeout", 10)
-    try:
-        try:
-            async with anyio.create_task_group() as tg:
-                for peer in peers:
-                    tg.start_soon(peer.serve, source)
-                async with open_client(source, **client_options) as client:
-                    with anyio.fail_after(5):
-                        for peer in peers:
-                            await peer.ready.wait()
-                    yield client, peers
-                tg.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
-    finally:
-        for peer in peers:
-            peer.close()
+    async with serving(peers, PeerEngines(count), **client_options) as client:
+        yield client, peers

@@ -30,50 +30,34 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import zmq
 
-from trio_vllm import (
-    EngineCoreClient,
-    EngineCoreOutput,
-    EngineCoreReadyResponse,
-    ReferenceEngines,
-    open_client,
-)
+from trio_vllm import EngineCoreClient, EngineCoreOutput
 from trio_vllm.client._process import spawn_engine_process
-from trio_vllm.protocol import (
-    UtilityCall,
-    decode_handshake_metadata,
-    encode_hello,
-    encode_ready,
-    encode_ready_response,
-)
-from trio_vllm.protocol.structs import HandshakeReady
-from trio_vllm.transport import AsyncSocket
+from trio_vllm.protocol import UtilityCall
 
-from ._peer import Peer, _bytes
+from ._peer import Peer, PeerEngines, _bytes, serving
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
 
     from trio_vllm.client._process import EngineProcess
+    from trio_vllm.transport import AsyncSocket
 
 # A stand-in engine process: alive until killed (SIGTERM included: it ignores it, like
 # an engine that is still loading and does not handle signals yet).
 _SLEEPER = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
 
 
-class ScriptedSource(ReferenceEngines):
+class ScriptedSource(PeerEngines):
     """``count`` in-process peers from ``start_rank``; with ``processes``, one stand-in
     process per rank that the client watches (and stops at exit)."""
 
     def __init__(self, count: int = 1, *, start_rank: int = 0, processes: bool = False) -> None:
-        super().__init__(count, model="echo", start_rank=start_rank)
-        self.handshake_address: str | None = None
-        self.address_known = anyio.Event()
+        super().__init__(count, start_rank=start_rank)
         self.with_processes = processes
         self.processes: list[EngineProcess] = []
 
     async def spawn(self, handshake_address: str) -> list[EngineProcess]:
-        self.handshake_address = handshake_address
-        self.address_known.set()
+        await super().spawn(handshake_address)
         if self.with_processes:
             for rank in self.ranks:
                 self.processes.append(
@@ -105,49 +89,30 @@ class ScriptedPeer(Peer):
         self.hold_ready = hold_ready
         self.got_metadata = anyio.Event()
         self.answered = anyio.Event()  # the ready response and READY went out
-        self.input: AsyncSocket | None = None
+        # Unbounded, so that queue_outputs never meets a high-water mark.
+        self.output_options = {zmq.SNDHWM: 0}
 
-    async def serve(self, source: Any) -> None:
-        await source.address_known.wait()
-        assert source.handshake_address is not None
-        ident: dict[int, int | bytes | str] = {zmq.IDENTITY: self.identity}
-        with (
-            AsyncSocket.create(self.context, zmq.DEALER, options=ident, linger=2000) as hs,
-            AsyncSocket.create(self.context, zmq.DEALER, options=ident, linger=0) as inp,
-        ):
-            self.input = inp
-            # Unbounded, so that queue_outputs never meets a high-water mark.
-            self.output = AsyncSocket.create(
-                self.context, zmq.PUSH, options={zmq.SNDHWM: 0}, linger=0
-            )
-            hs.connect(source.handshake_address)
-            await hs.send([encode_hello(local=False, headless=True)])
-            (frame, *_) = await hs.receive()
-            metadata = decode_handshake_metadata(frame)
-            inp.connect(metadata.addresses.inputs[0])
-            self.output.connect(metadata.addresses.outputs[0])
-            self.got_metadata.set()
-            if self.hold_ready is not None:
-                await self.hold_ready.wait()
-            response = EngineCoreReadyResponse(
-                max_model_len=self.max_model_len, vllm_version=self.vllm_version
-            )
-            await inp.send([encode_ready_response(response, self.profile)])
-            await hs.send([encode_ready(HandshakeReady(local=False, headless=True))])
-            self.answered.set()
-            self.ready.set()
-            with _closed_ok():
-                while True:
-                    frames = [_bytes(f) for f in await inp.receive()]
-                    message = self.codec.decode_input(frames)
-                    self.received.append(message)
-                    self.arrived.set()
-                    if (
-                        self.reply_utilities
-                        and isinstance(message, UtilityCall)
-                        and message.method == "echo"
-                    ):
-                        await self.reply(message, message.args)
+    async def before_ready(self) -> None:
+        self.got_metadata.set()
+        if self.hold_ready is not None:
+            await self.hold_ready.wait()
+
+    async def receive(self, inp: AsyncSocket) -> None:
+        # Strict, unlike Peer's: an undecodable message fails the test; only "echo" is
+        # answered; the loop ends quietly once close_input() closed the socket.
+        self.answered.set()
+        with _closed_ok():
+            while True:
+                frames = [_bytes(f) for f in await inp.receive()]
+                message = self.codec.decode_input(frames)
+                self.received.append(message)
+                self.arrived.set()
+                if (
+                    self.reply_utilities
+                    and isinstance(message, UtilityCall)
+                    and message.method == "echo"
+                ):
+                    await self.reply(message, message.args)
 
     def queue_outputs(self, messages: Sequence[Sequence[Any]], *, settle: float = 0.3) -> None:
         """Send ``messages`` (frame lists) now, without a checkpoint, then block the loop
@@ -192,26 +157,9 @@ async def scripted_client(
 ) -> AsyncIterator[EngineCoreClient]:
     """``open_client(source)`` with ``peers`` serving it (each on ``source``'s address, or
     ``address`` for external sources); exceptions from the body propagate unwrapped."""
-    client_options.setdefault("ready_timeout", 10)
-    where = client_options.pop("address", source)
-    try:
-        try:
-            async with anyio.create_task_group() as tg:
-                for peer in peers:
-                    tg.start_soon(peer.serve, where)
-                async with open_client(source, **client_options) as client:
-                    with anyio.fail_after(5):
-                        for peer in peers:
-                            await peer.ready.wait()
-                    yield client
-                tg.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
-    finally:
-        for peer in peers:
-            peer.close()
+    where = client_options.pop("address", None)
+    async with serving(peers, source, where, **client_options) as client:
+        yield client
 
 
 def free_tcp_port() -> int:
