@@ -20,11 +20,12 @@ from trio_vllm.protocol import (
 from trio_vllm.text import (
     OutputProcessor,
     ParentRequest,
-    RequestOutput,
     Tokenizer,
     load_tokenizer,
 )
 from trio_vllm.text import _detokenizer as detok_mod
+
+from .vllm_reference import logprob_columns, replay_steps
 
 # <repo>/../shared/interop/tiny-llama, as the vllm tier finds it.
 TINY_LLAMA = str(Path(__file__).resolve().parents[3] / "shared" / "interop" / "tiny-llama")
@@ -36,36 +37,6 @@ def tiny_llama_available() -> bool:
 
 
 # -- our side ------------------------------------------------------------------------------
-
-
-def _lp_position(pos: Any) -> Any:
-    if pos is None:
-        return None
-    return [[tid, lp.logprob, lp.rank, lp.decoded_token] for tid, lp in pos.items()]
-
-
-def request_output_dict(out: RequestOutput) -> dict[str, Any]:
-    return {
-        "request_id": out.request_id,
-        "prompt": out.prompt,
-        "prompt_token_ids": list(out.prompt_token_ids),
-        "prompt_logprobs": None if out.prompt_logprobs is None
-        else [_lp_position(p) for p in out.prompt_logprobs],
-        "finished": out.finished,
-        "num_cached_tokens": out.num_cached_tokens,
-        "outputs": [
-            {
-                "index": c.index,
-                "text": c.text,
-                "token_ids": list(c.token_ids),
-                "cumulative_logprob": c.cumulative_logprob,
-                "logprobs": None if c.logprobs is None else [_lp_position(p) for p in c.logprobs],
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in out.outputs
-        ],
-    }
 
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
@@ -104,41 +75,27 @@ def run_case_here(case: dict[str, Any]) -> dict[str, Any]:
                 )
                 processor.add_request(child, prompt, parent, idx)
                 ids.append(child_id)
-        steps_out = []
-        for step in case["steps"]:
-            outs = []
-            for item in step:
-                lp = None
-                if item.get("logprobs") is not None:
-                    rows = item["logprobs"]
-                    lp = LogprobsLists(
-                        np.array(rows["token_ids"], dtype=np.int32),
-                        np.array(rows["logprobs"], dtype=np.float32),
-                        np.array(rows["ranks"], dtype=np.int32),
-                    )
-                plp = None
-                if item.get("prompt_logprobs") is not None:
-                    rows = item["prompt_logprobs"]
-                    plp = LogprobsTensors(
-                        np.array(rows["token_ids"], dtype=np.int32),
-                        np.array(rows["logprobs"], dtype=np.float32),
-                        np.array(rows["ranks"], dtype=np.int32),
-                    )
-                finish = item.get("finish_reason")
-                outs.append(EngineCoreOutput(
-                    ids[item.get("child", 0)],
-                    new_token_ids=list(item["new_token_ids"]),
-                    new_logprobs=lp,
-                    new_prompt_logprobs_tensors=plp,
-                    finish_reason=None if finish is None else FinishReason(finish),
-                    stop_reason=item.get("stop_reason"),
-                ))
-            result = processor.process_outputs(outs)
-            steps_out.append({
-                "outputs": [request_output_dict(o) for o in result.request_outputs],
-                "abort": sorted(ids.index(r) for r in result.reqs_to_abort),
-            })
-        return {"steps": steps_out}
+
+        def output(request_id: str, item: dict[str, Any], lp: Any, plp: Any) -> EngineCoreOutput:
+            finish = item.get("finish_reason")
+            return EngineCoreOutput(
+                request_id,
+                new_token_ids=list(item["new_token_ids"]),
+                new_logprobs=lp,
+                new_prompt_logprobs_tensors=plp,
+                finish_reason=None if finish is None else FinishReason(finish),
+                stop_reason=item.get("stop_reason"),
+            )
+
+        def columns(rows: dict[str, Any]) -> tuple[Any, Any, Any]:
+            return logprob_columns(rows, np.array, np.int32, np.float32)
+
+        return replay_steps(
+            case, ids, processor,
+            logprobs=lambda rows: LogprobsLists(*columns(rows)),
+            prompt_logprobs=lambda rows: LogprobsTensors(*columns(rows)),
+            output=output,
+        )  # fmt: skip
     finally:
         detok_mod._decode_stream_class = original  # type: ignore[assignment]
 

@@ -5,6 +5,10 @@ with vLLM 0.32.0): reads a JSON list of cases on stdin, prints a JSON list of re
 Every case is fed through ``vllm.v1.engine.output_processor.OutputProcessor`` (and
 ``ParentRequest`` for ``n > 1``) with vLLM's tokenizer for the model directory; the
 result has the same shape as ``tests/text/_parity.py`` produces from trio-vllm.
+
+It runs in vLLM's interpreter, which has no trio-vllm: it imports only the standard
+library at the top (vLLM inside the functions), so ``_parity.py`` imports the parts both
+sides share from here (`replay_steps`, `request_output_dict`), not the other way round.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def _lp_position(pos: Any) -> Any:
@@ -24,7 +29,8 @@ def _lp_position(pos: Any) -> Any:
     return [[tid, lp.logprob, lp.rank, lp.decoded_token] for tid, lp in pos.items()]
 
 
-def _request_output(out: Any) -> dict[str, Any]:
+def request_output_dict(out: Any) -> dict[str, Any]:
+    """A ``RequestOutput`` (vLLM's or trio-vllm's: the same fields) as plain JSON."""
     return {
         "request_id": out.request_id,
         "prompt": out.prompt,
@@ -46,6 +52,45 @@ def _request_output(out: Any) -> dict[str, Any]:
             for c in out.outputs
         ],
     }
+
+
+def logprob_columns(
+    rows: dict[str, Any], make: Callable[..., Any], int_type: Any, float_type: Any
+) -> tuple[Any, Any, Any]:
+    """A case's logprob rows as (token ids, logprobs, ranks) arrays: ``make`` is
+    ``np.array`` or ``torch.tensor``, with that library's dtypes."""
+    return (make(rows["token_ids"], dtype=int_type), make(rows["logprobs"], dtype=float_type),
+            make(rows["ranks"], dtype=int_type))  # fmt: skip
+
+
+def replay_steps(
+    case: dict[str, Any],
+    ids: list[str],
+    processor: Any,
+    *,
+    logprobs: Callable[[dict[str, Any]], Any],
+    prompt_logprobs: Callable[[dict[str, Any]], Any],
+    output: Callable[[str, dict[str, Any], Any, Any], Any],
+) -> dict[str, Any]:
+    """Feed ``case["steps"]`` to an ``OutputProcessor``, one ``process_outputs`` call a
+    step. Each side brings its own constructors: ``logprobs(rows)`` and
+    ``prompt_logprobs(rows)`` for an item's (sample, prompt) logprob rows, and
+    ``output(request_id, item, logprobs, prompt_logprobs)`` for the ``EngineCoreOutput``;
+    ``ids`` are the child request ids, by child index."""
+    steps_out = []
+    for step in case["steps"]:
+        outs = []
+        for item in step:
+            rows, prompt_rows = item.get("logprobs"), item.get("prompt_logprobs")
+            lp = None if rows is None else logprobs(rows)
+            plp = None if prompt_rows is None else prompt_logprobs(prompt_rows)
+            outs.append(output(ids[item.get("child", 0)], item, lp, plp))
+        result = processor.process_outputs(outs)
+        steps_out.append({
+            "outputs": [request_output_dict(o) for o in result.request_outputs],
+            "abort": sorted(ids.index(r) for r in result.reqs_to_abort),
+        })
+    return {"steps": steps_out}
 
 
 def run_case(case: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str, Any]:
@@ -95,42 +140,28 @@ def run_case(case: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str, Any]
                 )
                 processor.add_request(child, prompt, parent, idx)
                 ids.append(child_id)
-        steps_out = []
-        for step in case["steps"]:
-            outs = []
-            for item in step:
-                lp = None
-                if item.get("logprobs") is not None:
-                    rows = item["logprobs"]
-                    lp = LogprobsLists(
-                        np.array(rows["token_ids"], dtype=np.int32),
-                        np.array(rows["logprobs"], dtype=np.float32),
-                        np.array(rows["ranks"], dtype=np.int32),
-                        None,
-                    )
-                plp = None
-                if item.get("prompt_logprobs") is not None:
-                    rows = item["prompt_logprobs"]
-                    plp = LogprobsTensors(
-                        torch.tensor(rows["token_ids"], dtype=torch.int32),
-                        torch.tensor(rows["logprobs"], dtype=torch.float32),
-                        torch.tensor(rows["ranks"], dtype=torch.int32),
-                    )
-                finish = item.get("finish_reason")
-                outs.append(EngineCoreOutput(
-                    request_id=ids[item.get("child", 0)],
-                    new_token_ids=list(item["new_token_ids"]),
-                    new_logprobs=lp,
-                    new_prompt_logprobs_tensors=plp,
-                    finish_reason=None if finish is None else FinishReason(finish),
-                    stop_reason=item.get("stop_reason"),
-                ))
-            result = processor.process_outputs(outs)
-            steps_out.append({
-                "outputs": [_request_output(o) for o in result.request_outputs],
-                "abort": sorted(ids.index(r) for r in result.reqs_to_abort),
-            })
-        return {"steps": steps_out}
+
+        def output(request_id: str, item: dict[str, Any], lp: Any, plp: Any) -> Any:
+            finish = item.get("finish_reason")
+            return EngineCoreOutput(
+                request_id=request_id,
+                new_token_ids=list(item["new_token_ids"]),
+                new_logprobs=lp,
+                new_prompt_logprobs_tensors=plp,
+                finish_reason=None if finish is None else FinishReason(finish),
+                stop_reason=item.get("stop_reason"),
+            )
+
+        return replay_steps(
+            case, ids, processor,
+            logprobs=lambda rows: LogprobsLists(
+                *logprob_columns(rows, np.array, np.int32, np.float32), None
+            ),
+            prompt_logprobs=lambda rows: LogprobsTensors(
+                *logprob_columns(rows, torch.tensor, torch.int32, torch.float32)
+            ),
+            output=output,
+        )  # fmt: skip
     finally:
         detok_mod.uses_fast_detokenizer = original
 
@@ -233,6 +264,7 @@ def run_chat_parse(case: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str
 
 
 def main() -> None:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # before vLLM is imported
     cases = json.load(sys.stdin)
     tokenizers: dict[str, Any] = {}
     results = []
