@@ -15,7 +15,7 @@ written (1; a closed pipe exits 0 quietly), Ctrl-C at any moment (130, quietly).
 That includes Ctrl-C while the command is still importing: ``import trio_vllm`` loads
 only a few pure-Python modules (everything else is loaded on first use), and this
 module none, so the console script (``from trio_vllm.cli import main``) reaches
-``main``'s handler within about a millisecond; argparse, the subcommands and what
+``main``'s handler within a couple of milliseconds; argparse, the subcommands and what
 they need are imported inside it.
 """
 
