@@ -138,11 +138,27 @@ def _children(pid: int) -> set[int]:
     return found
 
 
+def _assert_reaped(pids: set[int]) -> None:
+    """Every one of ``pids`` is gone (or a zombie); one left running is killed first,
+    so a failing test leaves no engine behind."""
+    running = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]:
+                running.append(pid)
+                os.kill(pid, signal.SIGKILL)
+    assert not running, f"engine processes left running: {running}"
+
+
 def _interrupt_when(
-    cmd: list[str], env: dict[str, str], reached: Callable[[int], T], what: str
+    cmd: list[str],
+    env: dict[str, str],
+    reached: Callable[[int], T],
+    what: str,
+    then: Callable[[], object] = lambda: None,
 ) -> tuple[subprocess.Popen[str], str, T]:
-    """Run ``cmd``, poll ``reached(pid)`` until it is true, send SIGINT, and return the
-    process, its stderr and what ``reached`` returned."""
+    """Run ``cmd``, poll ``reached(pid)`` until it is true, send SIGINT, call ``then()``,
+    and return the process, its stderr and what ``reached`` returned."""
     child = _interruptible(cmd, env)
     try:
         deadline = time.monotonic() + 60
@@ -151,6 +167,7 @@ def _interrupt_when(
             assert time.monotonic() < deadline, f"{what} was never reached"
             time.sleep(0.02)
         child.send_signal(signal.SIGINT)
+        then()
         _, err = child.communicate(timeout=60)
     finally:
         if child.poll() is None:
@@ -164,8 +181,23 @@ def test_ctrl_c_while_a_benchmark_runs_exits_130_quietly_and_stops_its_engines()
     child, err, engines = _interrupt_when(cmd, _env(), _children, "an engine start")
     assert child.returncode == 130, err
     assert "Traceback" not in err, err
-    for pid in engines:  # reaped by the client on its way out
-        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+    _assert_reaped(engines)  # by the command on its way out
+
+
+def test_ctrl_c_while_an_engine_process_starts_stops_it(tmp_path: Path) -> None:
+    # Ctrl-C lands inside subprocess.Popen(), after the fork and before Popen() returns
+    # (the _site hook holds it there until the SIGINT is sent): the engine must still
+    # be stopped, not left running with no one to own it.
+    marker = tmp_path / "spawned"
+    env = _env(TRIO_VLLM_TEST_HOLD_SPAWN=str(marker))
+    cmd = [*CLI, "bench", "latency", "--rounds", "1"]
+    child, err, engines = _interrupt_when(
+        cmd, env, lambda pid: marker.exists() and _children(pid), "the engine spawn",
+        then=marker.unlink,
+    )  # fmt: skip
+    assert child.returncode == 130, err
+    assert "Traceback" not in err, err
+    _assert_reaped(engines)
 
 
 def _interrupt_at_import(

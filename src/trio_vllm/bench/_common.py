@@ -9,9 +9,11 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -54,6 +56,28 @@ def stop_process(proc: subprocess.Popen[Any], grace: float = 5.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
     proc.wait()
+
+
+@contextlib.contextmanager
+def sigint_held() -> Iterator[None]:
+    """Hold Ctrl-C back while a child process starts, and raise it on leaving.
+
+    A ``KeyboardInterrupt`` raised inside ``subprocess.Popen`` (after the fork, while it
+    waits for the exec) loses the child: no one has its ``Popen`` then, so no one stops
+    it. Held here, it is raised once the caller owns the process. Only in the main
+    thread (elsewhere Python delivers no signal).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received and callable(previous):
+        previous(signal.SIGINT, None)
 
 
 class ScratchDir:
@@ -111,7 +135,7 @@ def direct_engine(*, firehose: int = 0, ready_timeout: float = 120.0) -> Iterato
         outputs.bind(scratch.endpoint("output"))
         log_path = os.path.join(scratch.path, "engine.log")
         start = time.perf_counter()
-        with open(log_path, "wb") as log:
+        with open(log_path, "wb") as log, sigint_held():
             proc = subprocess.Popen(
                 engine_command(scratch.endpoint("input"), scratch.endpoint("output"),
                                firehose=firehose),

@@ -4,6 +4,9 @@
   installed (engine processes inherit the variable, so it applies to them too).
 * ``TRIO_VLLM_TEST_BLOCK_IMPORT=MODULE:MARKER``: the first import of MODULE creates the
   file MARKER and sleeps, so a test can deliver Ctrl-C in the middle of start-up imports.
+* ``TRIO_VLLM_TEST_HOLD_SPAWN=MARKER``: the first ``subprocess.Popen`` of a reference
+  engine, once the child runs, creates MARKER and waits (inside ``Popen()``) until the
+  test removes it, so a test can deliver Ctrl-C before ``Popen()`` returns.
 """
 
 import os
@@ -28,3 +31,22 @@ class _Hooks:
 
 
 sys.meta_path.insert(0, _Hooks())
+
+
+_spawn_marker = os.environ.get("TRIO_VLLM_TEST_HOLD_SPAWN", "")
+if _spawn_marker:
+    import subprocess
+
+    _execute_child = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+
+    def _held(self, args, *rest, **kwargs):  # type: ignore[no-untyped-def]
+        global _spawn_marker
+        _execute_child(self, args, *rest, **kwargs)
+        if _spawn_marker and any("reference_engine" in str(a) for a in args):
+            marker, _spawn_marker = _spawn_marker, ""
+            with open(marker, "w"):
+                pass
+            while os.path.exists(marker):
+                time.sleep(0.02)
+
+    subprocess.Popen._execute_child = _held  # type: ignore[attr-defined]
