@@ -42,8 +42,10 @@ class ProtocolProfile:
     ``map_keys`` maps a map-encoded struct's class name to its keys in declaration
     order. ``reserved_call_ids`` are the utility call ids the engine uses for its own
     notifications; ``utility_arity`` the positional-argument count limits of the
-    utilities the release's own client calls. ``requested_version`` is the version
-    string this profile was chosen for (differs from ``vllm_version`` for a fallback).
+    utilities the release's own client calls; ``unavailable_utilities`` the utility
+    methods its engine core lacks (a call fails with vLLM's ``AttributeError`` text).
+    ``requested_version`` is the version string this profile was chosen for (differs
+    from ``vllm_version`` for a fallback).
     """
 
     vllm_version: str
@@ -51,6 +53,7 @@ class ProtocolProfile:
     map_keys: Mapping[str, tuple[str, ...]]
     reserved_call_ids: frozenset[int]
     utility_arity: Mapping[str, tuple[int, int]]
+    unavailable_utilities: frozenset[str] = frozenset()
     requested_version: str = ""
     fallback: bool = False
 
@@ -236,6 +239,16 @@ _UTILITIES_0_25: Final = {
 } | {"profile": (0, 2), "eep_handle_engine_core_notification": (1, 1)}
 _UTILITIES_0_33: Final = _UTILITIES_0_32 | {"profile": (0, 5), "pause_generation": (0, 2)}
 
+# Engine-core utility methods a release's engine does not have yet.
+_UNAVAILABLE_0_32: Final = frozenset({"pause_generation"})
+_UNAVAILABLE_0_25: Final = _UNAVAILABLE_0_32 | {
+    "release_kv_cache_memory",
+    "compute_weight_checksums",
+    "set_weight_version",
+    "get_weight_version",
+    "commit_prepared_elastic_ep",
+}
+
 
 def _profile(
     version: str,
@@ -253,6 +266,7 @@ def _profile(
     prefill: tuple[str, ...],
     reserved: frozenset[int],
     utilities: Mapping[str, tuple[int, int]],
+    unavailable: frozenset[str],
 ) -> ProtocolProfile:
     layouts = {
         "EngineCoreRequest": request,
@@ -279,6 +293,7 @@ def _profile(
         map_keys=MappingProxyType(map_keys),
         reserved_call_ids=reserved,
         utility_arity=MappingProxyType(dict(utilities)),
+        unavailable_utilities=unavailable,
         requested_version=version,
     )
 
@@ -298,6 +313,7 @@ V0_25_1: Final = _profile(
     prefill=_PREFILL_0_25,
     reserved=frozenset({-1}),
     utilities=_UTILITIES_0_25,
+    unavailable=_UNAVAILABLE_0_25,
 )
 V0_32_0: Final = _profile(
     "0.32.0",
@@ -314,6 +330,7 @@ V0_32_0: Final = _profile(
     prefill=_PREFILL_0_32,
     reserved=frozenset({-1, -2}),
     utilities=_UTILITIES_0_32,
+    unavailable=_UNAVAILABLE_0_32,
 )
 V0_33_0: Final = _profile(
     "0.33.0",
@@ -330,6 +347,7 @@ V0_33_0: Final = _profile(
     prefill=_PREFILL_0_32,
     reserved=frozenset({-1, -2}),
     utilities=_UTILITIES_0_33,
+    unavailable=frozenset(),
 )
 
 #: Every known profile by its release string, oldest first.
@@ -402,6 +420,7 @@ def _variant(profile: ProtocolProfile, requested: str, *, fallback: bool) -> Pro
         map_keys=profile.map_keys,
         reserved_call_ids=profile.reserved_call_ids,
         utility_arity=profile.utility_arity,
+        unavailable_utilities=profile.unavailable_utilities,
         requested_version=requested,
         fallback=fallback,
     )

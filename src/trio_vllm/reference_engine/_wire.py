@@ -39,15 +39,12 @@ from ..protocol.structs import (
     UtilityOutput,
     UtilityResult,
 )
+from ._errors import UtilityError, WireError
 
 if TYPE_CHECKING:
     from ._scheduler import OutputRecord
 
 __all__ = ["Wire", "WireError"]
-
-
-class WireError(Exception):
-    """A message could not be decoded (the protocol layer's ProtocolError, re-raised)."""
 
 
 class Wire:
@@ -105,8 +102,6 @@ class Wire:
         raise WireError(f"unexpected decoded message {type(msg).__name__}")
 
     def convert_lora(self, value: Any) -> Any:
-        from ._utilities import UtilityError
-
         if isinstance(value, LoRARequest):
             return value  # already decoded (a request's adapter)
         try:
