@@ -12,6 +12,7 @@ This module is the only place that knows how releases differ.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ class ProtocolProfile:
     notifications; ``utility_arity`` the positional-argument count limits of the
     utilities the release's own client calls; ``unavailable_utilities`` the utility
     methods its engine core lacks (a call fails with vLLM's ``AttributeError`` text).
+    ``wake_up_reports_awake``: the engine's ``wake_up`` returns whether it is fully
+    awake (else ``None``). ``any_rank_requests_wave``: an idle DP rank that gets work
+    asks the coordinator for a new wave (else only rank 0 does, docs/protocol.md §7.4).
     ``requested_version`` is the version string this profile was chosen for (differs
     from ``vllm_version`` for a fallback).
     """
@@ -54,6 +58,8 @@ class ProtocolProfile:
     reserved_call_ids: frozenset[int]
     utility_arity: Mapping[str, tuple[int, int]]
     unavailable_utilities: frozenset[str] = frozenset()
+    wake_up_reports_awake: bool = True
+    any_rank_requests_wave: bool = False
     requested_version: str = ""
     fallback: bool = False
 
@@ -267,6 +273,8 @@ def _profile(
     reserved: frozenset[int],
     utilities: Mapping[str, tuple[int, int]],
     unavailable: frozenset[str],
+    wake_up_reports_awake: bool = True,
+    any_rank_requests_wave: bool = False,
 ) -> ProtocolProfile:
     layouts = {
         "EngineCoreRequest": request,
@@ -294,6 +302,8 @@ def _profile(
         reserved_call_ids=reserved,
         utility_arity=MappingProxyType(dict(utilities)),
         unavailable_utilities=unavailable,
+        wake_up_reports_awake=wake_up_reports_awake,
+        any_rank_requests_wave=any_rank_requests_wave,
         requested_version=version,
     )
 
@@ -314,6 +324,7 @@ V0_25_1: Final = _profile(
     reserved=frozenset({-1}),
     utilities=_UTILITIES_0_25,
     unavailable=_UNAVAILABLE_0_25,
+    wake_up_reports_awake=False,
 )
 V0_32_0: Final = _profile(
     "0.32.0",
@@ -348,6 +359,7 @@ V0_33_0: Final = _profile(
     reserved=frozenset({-1, -2}),
     utilities=_UTILITIES_0_33,
     unavailable=frozenset(),
+    any_rank_requests_wave=True,
 )
 
 #: Every known profile by its release string, oldest first.
@@ -414,13 +426,4 @@ def profile_for_version(vllm_version: str) -> ProtocolProfile:
 
 
 def _variant(profile: ProtocolProfile, requested: str, *, fallback: bool) -> ProtocolProfile:
-    return ProtocolProfile(
-        vllm_version=profile.vllm_version,
-        layouts=profile.layouts,
-        map_keys=profile.map_keys,
-        reserved_call_ids=profile.reserved_call_ids,
-        utility_arity=profile.utility_arity,
-        unavailable_utilities=profile.unavailable_utilities,
-        requested_version=requested,
-        fallback=fallback,
-    )
+    return dataclasses.replace(profile, requested_version=requested, fallback=fallback)

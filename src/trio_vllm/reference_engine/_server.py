@@ -229,7 +229,8 @@ class EngineServer:
             check_vocabulary(req, self.model.vocab_size)
         if opts.moe:
             self.waves.on_add(req)
-        if self.utilities.generation_paused and self.profile.vllm_version == "0.33.0":
+        # Only a release with pause_generation (0.33) pauses generation this way.
+        if self.utilities.generation_paused:
             self.output.send_request_error(
                 req, "engine is paused", code="engine_paused", retryable=True
             )

@@ -207,7 +207,7 @@ class Utilities:
         if not self._sleeping_tags and self._paused_by_sleep:
             self._paused_by_sleep = False
             self._server.scheduler.pause_state = PauseState.UNPAUSED
-        if self._server.profile.vllm_version == "0.25.1":
+        if not self._server.profile.wake_up_reports_awake:
             return None
         return not self._sleeping_tags
 

@@ -65,7 +65,7 @@ class DPCoordination:
         self.engines_running = True
         self._wave_steps = 0
         # 0.32: rank 0 reports idle -> running; 0.33: any idle rank that got work.
-        if engine.rank == 0 or engine.profile.vllm_version == "0.33.0":
+        if engine.rank == 0 or engine.profile.any_rank_requests_wave:
             self.request_wave()
 
     def handle_start_wave(self, wave: int, exclude: int | None) -> None:
