@@ -149,9 +149,7 @@ class EngineCoreClient(NamedUtilities):
         self._wire = parts.wire
         self._ready_responses = {r: dict(v) for r, v in parts.ready_responses.items()}
         self._processes = parts.processes
-        self._task_group = parts.task_group
         self._stream_buffer = parts.stream_buffer
-        self._shutdown_grace = parts.shutdown_grace
         self._addresses = parts.addresses
         self._events = EngineEvents()
         self._raw: Mailbox[EngineCoreOutputs] = Mailbox()
