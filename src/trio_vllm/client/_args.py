@@ -1,5 +1,8 @@
 """Argument checks for `open_client`, the engine sources and ``add_engines``.
 
+The checks of the sources themselves, which know their classes, are in ``_engines.py``
+and use the helpers here.
+
 Every argument is checked up front, before a socket is bound or a process started, and
 a bad one raises ``TypeError`` (wrong type: a string for seconds, a bool for a count, a
 bare string for an argument list) or ``ValueError`` (NaN, infinity, negative, out of
@@ -18,12 +21,9 @@ import numbers
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from ..protocol.profiles import ProtocolProfile, profile_for_version
-
-if TYPE_CHECKING:
-    from ._engines import EngineSource
 
 __all__ = [
     "DEFAULT_READY_TIMEOUT",
@@ -31,14 +31,16 @@ __all__ = [
     "MAX_SHUTDOWN_GRACE",
     "RANK_LIMIT",
     "argument_list",
-    "check_add_engines",
     "check_max_pending",
     "check_open_client",
     "check_rank",
-    "check_source",
+    "choice",
     "environment",
     "integer",
+    "path",
     "ready_timeout",
+    "text",
+    "type_name",
 ]
 
 #: ``ready_timeout`` when neither the caller nor ``VLLM_ENGINE_READY_TIMEOUT_S`` sets it.
@@ -54,7 +56,7 @@ RANK_LIMIT: Final = 1 << 16
 _READY_TIMEOUT_ENV: Final = "VLLM_ENGINE_READY_TIMEOUT_S"
 
 
-def _type_name(value: object) -> str:
+def type_name(value: object) -> str:
     return type(value).__name__
 
 
@@ -97,24 +99,24 @@ def _flag(name: str, value: object) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
-def _text(name: str, value: object, *, optional: bool = False) -> None:
+def text(name: str, value: object, *, optional: bool = False) -> None:
     if value is None and optional:
         return
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {_type_name(value)} {value!r}")
+        raise TypeError(f"{name} must be a str, got {type_name(value)} {value!r}")
     if not value.strip():
         raise ValueError(f"{name} must be a non-empty str, got {value!r}")
 
 
-def _path(name: str, value: object, *, optional: bool = False) -> None:
+def path(name: str, value: object, *, optional: bool = False) -> None:
     if value is None and optional:
         return
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
-    _text(name, value)
+    text(name, value)
 
 
-def _choice(name: str, value: object, choices: Sequence[str], *, optional: bool = False) -> None:
+def choice(name: str, value: object, choices: Sequence[str], *, optional: bool = False) -> None:
     if value is None and optional:
         return
     if not isinstance(value, str):
@@ -130,7 +132,7 @@ def _arguments(name: str, value: object) -> None:
             f"(it would be split into characters; pass [{value!r}])"
         )
     if not isinstance(value, Sequence):
-        raise TypeError(f"{name} must be a list of str, got {_type_name(value)}")
+        raise TypeError(f"{name} must be a list of str, got {type_name(value)}")
     for item in value:
         if not isinstance(item, str):
             raise TypeError(f"{name} must hold str only, got {item!r}")
@@ -140,7 +142,7 @@ def _environment(name: str, value: object) -> None:
     if value is None:
         return
     if not isinstance(value, Mapping):
-        raise TypeError(f"{name} must be a mapping of str to str, got {_type_name(value)}")
+        raise TypeError(f"{name} must be a mapping of str to str, got {type_name(value)}")
     for key, item in value.items():
         if not isinstance(key, str) or not isinstance(item, str):
             raise TypeError(f"{name} must map str to str, got {key!r}: {item!r}")
@@ -171,88 +173,6 @@ def check_max_pending(value: object) -> None:
 def check_rank(rank: object, name: str = "rank") -> None:
     """A data-parallel rank given by a caller: an int (not a bool) that fits an identity."""
     integer(name, rank, minimum=0, maximum=RANK_LIMIT - 1)
-
-
-def _reference_choices() -> dict[str, Sequence[str]]:
-    # The reference engine's own parser is the authority on its choices (it imports
-    # neither torch nor zmq), so a new model or protocol needs no change here.
-    from ..reference_engine._options import build_parser
-
-    parser = build_parser()
-    choices: dict[str, Sequence[str]] = {}
-    for action in parser._actions:
-        for option in ("--model", "--device", "--protocol"):
-            if option in action.option_strings and action.choices is not None:
-                choices[option[2:]] = [str(c) for c in action.choices]
-    return choices
-
-
-def check_source(source: object, name: str = "engines") -> None:
-    """Check an engine source's type and every one of its arguments."""
-    from ._engines import EngineSource, ExternalEngines, ReferenceEngines, VllmEngines
-
-    if not isinstance(source, EngineSource):
-        raise TypeError(
-            f"{name} must be an engine source (ReferenceEngines, VllmEngines, "
-            f"ExternalEngines) or a list of them, got {_type_name(source)}"
-        )
-    kind = type(source).__name__
-    count = integer(f"{kind}(count=...)", source.count, minimum=1, maximum=RANK_LIMIT)
-    start = integer(
-        f"{kind}(start_rank=...)", source.start_rank, minimum=0, maximum=RANK_LIMIT - 1
-    )
-    if start + count > RANK_LIMIT:
-        raise ValueError(
-            f"{kind}: ranks {start}..{start + count - 1} do not fit a 2-byte identity "
-            f"(at most {RANK_LIMIT - 1})"
-        )
-    if isinstance(source, ReferenceEngines):
-        choices = _reference_choices()
-        _choice(f"{kind}(model=...)", source.model, choices.get("model", ()))
-        _choice(f"{kind}(device=...)", source.device, choices.get("device", ()), optional=True)
-        _choice(
-            f"{kind}(protocol=...)", source.protocol, choices.get("protocol", ()), optional=True
-        )
-        _arguments(f"{kind}(faults=...)", source.faults)
-        _arguments(f"{kind}(extra_args=...)", source.extra_args)
-        _path(f"{kind}(python=...)", source.python)
-        _environment(f"{kind}(env=...)", source.env)
-        _choice(f"{kind}(transport=...)", source.transport, ("ipc", "tcp"))
-    elif isinstance(source, VllmEngines):
-        _path(f"{kind}(model=...)", source.model)
-        _path(f"{kind}(python=...)", source.python)
-        _arguments(f"{kind}(extra_args=...)", source.extra_args)
-        _environment(f"{kind}(env=...)", source.env)
-    elif isinstance(source, ExternalEngines):
-        _tcp_address(f"{kind}(handshake_address=...)", source.handshake_address)
-        _text(f"{kind}(advertise_host=...)", source.advertise_host, optional=True)
-        _text(f"{kind}(bind_host=...)", source.bind_host, optional=True)
-
-
-def _tcp_address(name: str, value: object) -> None:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a 'tcp://HOST:PORT' str, got {value!r}")
-    host, sep, port = value.removeprefix("tcp://").rpartition(":")
-    if not value.startswith("tcp://") or not sep or not host or not port.isdigit():
-        raise ValueError(f"{name} must be 'tcp://HOST:PORT', got {value!r}")
-    if int(port) > 65535:
-        raise ValueError(f"{name}: port {port} is out of range (0-65535)")
-
-
-def _sources(engines: object) -> list[EngineSource]:
-    from ._engines import EngineSource
-
-    if isinstance(engines, EngineSource):
-        check_source(engines)
-        return [engines]
-    if isinstance(engines, (str, bytes)) or not isinstance(engines, Sequence):
-        check_source(engines)  # raises the TypeError naming the argument
-    assert isinstance(engines, Sequence)
-    if not engines:
-        raise ValueError("engines must name at least one engine source, got an empty list")
-    for i, source in enumerate(engines):
-        check_source(source, f"engines[{i}]")
-    return list(engines)
 
 
 def ready_timeout(value: object, name: str = "ready_timeout") -> float:
@@ -299,7 +219,6 @@ def _profile(value: object) -> None:
 
 
 def check_open_client(
-    engines: object,
     *,
     ready_timeout_s: object,
     profile: object,
@@ -311,8 +230,7 @@ def check_open_client(
     waves: object,
     vocab_size: object,
 ) -> None:
-    """Check every `open_client` argument (see the module documentation)."""
-    _sources(engines)
+    """Check every `open_client` argument but the engines (``_engines.check_sources``)."""
     ready_timeout(ready_timeout_s)
     _profile(profile)
     _flag("allow_insecure_serialization", allow_insecure_serialization)
@@ -320,14 +238,7 @@ def check_open_client(
     integer("stream_buffer", stream_buffer, minimum=1, maximum=_MAX_STREAM_BUFFER)
     if on_progress is not None and not callable(on_progress):
         raise TypeError(f"on_progress must be None or a callable, got {on_progress!r}")
-    _choice("on_engine_death", on_engine_death, ("fail", "continue"))
+    choice("on_engine_death", on_engine_death, ("fail", "continue"))
     _flag("waves", waves)
     if vocab_size is not None:
         integer("vocab_size", vocab_size, minimum=1, maximum=_MAX_VOCAB_SIZE)
-
-
-def check_add_engines(source: object, ready_timeout_s: object) -> None:
-    """Check the arguments of ``add_engines``."""
-    check_source(source, "source")
-    ready_timeout(ready_timeout_s)
-

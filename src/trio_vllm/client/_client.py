@@ -33,18 +33,9 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from .._exceptions import (
-    EngineDeadError,
-    EngineStartupError,
-    ProtocolError,
-    TrioVllmError,
-    UnroutableError,
-    UtilityCallError,
-)
-from ..protocol.handshake import identity_for_rank
+from .._exceptions import EngineDeadError, EngineStartupError, ProtocolError
 from ..protocol.session import (
     ClientSession,
-    DeathRecord,
     Died,
     EmitEvent,
     EngineEvent,
@@ -52,18 +43,20 @@ from ..protocol.session import (
     FailRequest,
     QueueRaw,
     RankDrained,
-    RankState,
     ResolveCall,
     SendWave,
 )
 from . import _args
+from ._calls import Call, call_all, call_one
+from ._engines import check_sources
 from ._mailbox import Mailbox
 from ._owner import LoopOwner
 from ._receiver import Receiver
+from ._scaling import Scaling
+from ._sender import Sender
 from ._startup import (
     DEFAULT_READY_TIMEOUT,
     DEFAULT_SHUTDOWN_GRACE,
-    HandshakeRun,
     Sockets,
     SourceSet,
     StartupProgress,
@@ -76,10 +69,10 @@ from ._utilities import NamedUtilities, NamedUtility, combine_results, wire_args
 from ._wire import Wire
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+    from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 
     from ..protocol.profiles import ProtocolProfile
-    from ..protocol.session import Action
+    from ..protocol.session import Action, DeathRecord
     from ..protocol.structs import EngineCoreOutputs, EngineCoreRequest
     from ._engines import EngineSource
     from ._process import EngineProcess
@@ -110,14 +103,6 @@ class EngineEvents(Mailbox[EngineEvent]):
 
     def __aiter__(self) -> EngineEvents:
         return self
-
-
-@dataclass(slots=True)
-class _Call:
-    event: anyio.Event
-    failure: str | None = None
-    result: object = None
-    record: DeathRecord | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,19 +149,29 @@ class EngineCoreClient(NamedUtilities):
         self._wire = parts.wire
         self._ready_responses = {r: dict(v) for r, v in parts.ready_responses.items()}
         self._processes = parts.processes
-        self._task_group = parts.task_group
         self._stream_buffer = parts.stream_buffer
-        self._shutdown_grace = parts.shutdown_grace
         self._addresses = parts.addresses
         self._events = EngineEvents()
         self._raw: Mailbox[EngineCoreOutputs] = Mailbox()
         self._dead_event = anyio.Event()
-        self._drained: dict[int, anyio.Event] = {}  # retire_rank waiters
-        self._join: HandshakeRun | None = None  # one add_engines at a time
         self._receiver = Receiver(
-            self._session, self._sockets, self._wire, self._apply, lambda: self._join
+            self._session, self._sockets, self._wire, self._apply, lambda: self._scaling.join
         )
         self._drain_after_exit = self._receiver.drain_after_exit
+        self._sender = Sender(self._input, self._session, self._wire, self._receiver.wake)
+        self._scaling = Scaling(
+            session=self._session,
+            sockets=self._sockets,
+            wire=self._wire,
+            processes=self._processes,
+            ready_responses=self._ready_responses,
+            task_group=parts.task_group,
+            shutdown_grace=parts.shutdown_grace,
+            check_alive=self._check_alive,
+            apply=self._apply,
+            abort_requests=self.abort_requests,
+            on_process_exit=self._on_process_exit,
+        )
 
     # ------------------------------------------------------------------ properties
 
@@ -296,12 +291,12 @@ class EngineCoreClient(NamedUtilities):
                     raw._wakeup.set()
             elif isinstance(action, ResolveCall):
                 call = action.handle
-                assert isinstance(call, _Call)
+                assert isinstance(call, Call)
                 call.failure, call.result = action.failure, action.result
                 call.event.set()
             elif isinstance(action, FailCall):
                 call = action.handle
-                assert isinstance(call, _Call)
+                assert isinstance(call, Call)
                 call.record = action.record
                 call.event.set()
             elif isinstance(action, FailRequest):
@@ -321,11 +316,9 @@ class EngineCoreClient(NamedUtilities):
                 )
                 frames = self._wire.encode_start_dp_wave(start.wave, start.exclude)
                 for target in start.ranks:
-                    self._send_nowait_best_effort(target, frames)
+                    self._sender.send_nowait_best_effort(target, frames)
             elif isinstance(action, RankDrained):
-                drained = self._drained.get(action.rank)
-                if drained is not None:
-                    drained.set()
+                self._scaling.rank_drained(action.rank)
             elif isinstance(action, Died):
                 self._on_died(action.record)
 
@@ -337,52 +330,12 @@ class EngineCoreClient(NamedUtilities):
         self._raw._close(record.error)
         self._events._close()
         self._dead_event.set()
-        for drained in self._drained.values():
-            drained.set()
-        if self._join is not None:
-            self._join.fail(record.error())
+        self._scaling.client_died(record)
 
     def _on_process_exit(self, process: EngineProcess) -> None:
         if self._session.notice_exit(process.ranks, process.describe_exit()):
             logger.info("engine process %s (ranks %s) exited", process.name, process.ranks)
             self._receiver.wake()
-
-    # ------------------------------------------------------------------ sending
-
-    async def _send(self, rank: int, frames: Sequence[bytes]) -> None:
-        try:
-            await self._input.send([identity_for_rank(rank), *frames])
-        except UnroutableError as exc:
-            record = self._session.notice_rank(rank, f"engine {rank} is no longer connected", exc)
-            self._receiver.wake()
-            raise record.error() from exc
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
-            raise self._session.dead_error() from exc
-
-    def _send_nowait_best_effort(self, rank: int, frames: Sequence[bytes]) -> bool:
-        """Try to queue a message without a checkpoint; False if it could not go now."""
-        if self.dead:
-            return True
-        try:
-            self._input.send_nowait([identity_for_rank(rank), *frames])
-        except anyio.WouldBlock:
-            return False
-        except (UnroutableError, anyio.ClosedResourceError, anyio.BrokenResourceError):
-            return True  # nothing to abort on an engine that is gone
-        return True
-
-    async def _send_abort(self, rank: int, request_ids: list[str]) -> None:
-        """Queue an ABORT without a checkpoint when possible (safe in cancelled code)."""
-        frames = self._wire.encode_abort(request_ids)
-        if self._send_nowait_best_effort(rank, frames):
-            return
-        # The peer's queue is full (only with a finite HWM): wait briefly, shielded.
-        with (
-            anyio.CancelScope(shield=True),
-            anyio.move_on_after(1.0),
-            contextlib.suppress(TrioVllmError, anyio.ClosedResourceError),
-        ):
-            await self._send(rank, frames)
 
     # ------------------------------------------------------------------ requests
 
@@ -410,7 +363,7 @@ class EngineCoreClient(NamedUtilities):
         request_id, target, frames = self._prepare(request, rank)
         self._session.start_request(request_id, target)
         try:
-            await self._send(target, frames)
+            await self._sender.send(target, frames)
         except BaseException:
             self._apply(self._session.end_request(request_id))
             raise
@@ -483,7 +436,7 @@ class EngineCoreClient(NamedUtilities):
             stream._abort_locally()
         self._apply(actions)
         for target, rank_ids in by_rank.items():
-            await self._send_abort(target, rank_ids)
+            await self._sender.send_abort(target, rank_ids)
 
     @contextlib.asynccontextmanager
     async def generate(
@@ -505,7 +458,7 @@ class EngineCoreClient(NamedUtilities):
         self._session.start_request(request_id, target, stream)
         sent = False
         try:
-            await self._send(target, frames)
+            await self._sender.send(target, frames)
             sent = True
             self._apply(self._session.request_sent(target))
             yield stream
@@ -513,7 +466,7 @@ class EngineCoreClient(NamedUtilities):
             self._apply(self._session.end_request(request_id))
             if sent and not stream.finished:
                 stream.aborted = True
-                await self._send_abort(target, [request_id])
+                await self._sender.send_abort(target, [request_id])
 
     # ------------------------------------------------------------------ utilities
 
@@ -528,22 +481,7 @@ class EngineCoreClient(NamedUtilities):
         """
         self._owner.check("call_utility")
         self._check_alive()
-        if not method:
-            raise ValueError(f"method must be a non-empty string, got {method!r}")
-        target = self._session.choose_rank(rank)
-        call = _Call(anyio.Event())
-        call_id = self._session.start_call(method, target, call)
-        try:
-            frames = self._wire.encode_utility(0, call_id, method, list(args))
-            await self._send(target, frames)
-            await call.event.wait()
-        finally:
-            self._session.end_call(call_id)
-        if call.record is not None:
-            raise call.record.error()
-        if call.failure is not None:
-            raise UtilityCallError(method, call.failure, rank=target)
-        return call.result
+        return await call_one(self._session, self._wire, self._sender, method, list(args), rank)
 
     async def call_utility_all(
         self, method: str, *args: object, return_exceptions: bool = False
@@ -560,27 +498,11 @@ class EngineCoreClient(NamedUtilities):
         """
         self._owner.check("call_utility_all")
         self._check_alive()
-        ranks = self._session.live_ranks
-        results: dict[int, object] = {}
-        errors: dict[int, Exception] = {}
 
-        async def one(rank: int) -> None:
-            try:
-                results[rank] = await self.call_utility(method, *args, rank=rank)
-            except (TrioVllmError, ValueError, TypeError) as exc:
-                # Caller errors (unencodable arguments) too, so they surface as the
-                # same plain exception call_utility raises, not as an exception group.
-                errors[rank] = exc
+        def call(rank: int) -> Awaitable[object]:
+            return self.call_utility(method, *args, rank=rank)
 
-        async with anyio.create_task_group() as tg:
-            for rank in ranks:
-                tg.start_soon(one, rank)
-        if return_exceptions:
-            return [errors[r] if r in errors else results[r] for r in ranks]
-        if errors:
-            dead = [e for e in errors.values() if isinstance(e, EngineDeadError)]
-            raise dead[0] if dead else errors[min(errors)]
-        return [results[r] for r in ranks]
+        return await call_all(call, self._session.live_ranks, return_exceptions=return_exceptions)
 
     async def _named_utility(self, spec: NamedUtility[..., R], args: list[object]) -> R:
         """Run one row of the utilities table (``_utilities.py``); every named
@@ -609,27 +531,7 @@ class EngineCoreClient(NamedUtilities):
         fail), and this call raises `EngineDeadError`.
         """
         self._owner.check("retire_rank")
-        _args.check_rank(rank)
-        self._check_alive()
-        ids = self._session.begin_retire(rank)
-        logger.info("retiring engine rank %d (drain=%s)", rank, drain)
-        if not drain and ids:
-            await self.abort_requests(ids)
-        if self._session.in_flight(rank) > 0:
-            drained = self._drained.setdefault(rank, anyio.Event())
-            await drained.wait()
-            self._check_alive()
-            if self._session.state(rank) is RankState.LOST:
-                raise self._session.rank_record(rank).error()  # it died while draining
-        self._drained.pop(rank, None)
-        actions = self._session.finish_retire(rank)  # its exit is expected from now on
-        for process in self._processes:
-            if process.ranks == (rank,):
-                await process.stop(self._shutdown_grace)
-        self._apply(actions)
-
-    def _set_join(self, run: HandshakeRun) -> None:
-        self._join = run
+        await self._scaling.retire(rank, drain)
 
     async def add_engines(
         self, source: EngineSource, *, ready_timeout: float | None = None
@@ -649,56 +551,7 @@ class EngineCoreClient(NamedUtilities):
         ``TypeError``/``ValueError`` naming it before any process starts.
         """
         self._owner.check("add_engines")
-        _args.check_add_engines(source, ready_timeout)
-        self._check_alive()
-        if self._join is not None:
-            raise RuntimeError("another add_engines call is in progress")
-        engines = SourceSet(source)
-        if engines.layouts[0].watch_disconnects and self._sockets.monitor is None:
-            raise ValueError(
-                "external engines can join only a client that started with an external "
-                "source (its input socket has no connection monitor)"
-            )
-        timeout = _args.ready_timeout(ready_timeout)
-        self._session.begin_join(engines.ranks)
-        processes: list[EngineProcess] = []
-        try:
-            try:
-                connected = await connect_engines(
-                    self._sockets,
-                    engines,
-                    processes=processes,
-                    task_group=self._task_group,
-                    on_exit=self._on_process_exit,
-                    input_socket=None,  # the input guard feeds the join
-                    ready_timeout=timeout,
-                    on_run=self._set_join,
-                )
-            except EngineStartupError:
-                self._check_alive()  # the client died meanwhile: say that instead
-                raise
-            version = connected.complete.vllm_version
-            if version != self._wire.vllm_version:
-                raise EngineStartupError(
-                    f"the new engines report vLLM {version}, the client's engines "
-                    f"{self._wire.vllm_version}"
-                )
-        except BaseException:
-            self._session.join_failed(engines.ranks, "its join failed")
-            await stop_processes(processes, self._shutdown_grace)
-            raise
-        finally:
-            self._join = None
-        # Commit (no checkpoint since the handshake completed).
-        for rank, response in connected.complete.ready_responses.items():
-            self._ready_responses[rank] = dict(response)
-        self._session.join_complete(engines.ranks)
-        self._wire.set_limits(self._ready_responses)
-        self._processes.extend(processes)
-        for bound_input, ranks in connected.watched:
-            self._sockets.watch(bound_input, ranks)
-        logger.info("engine ranks %s joined", engines.ranks)
-        return engines.ranks
+        return await self._scaling.add(source, ready_timeout)
 
 
 @contextlib.asynccontextmanager
@@ -758,8 +611,8 @@ async def open_client(
     closed and the ipc directory is removed. Exceptions from the body propagate as
     they are (never wrapped in an exception group).
     """
+    check_sources(engines)
     _args.check_open_client(
-        engines,
         ready_timeout_s=ready_timeout,
         profile=profile,
         allow_insecure_serialization=allow_insecure_serialization,

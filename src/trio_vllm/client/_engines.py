@@ -10,17 +10,36 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from ._args import RANK_LIMIT, argument_list, check_source, environment, integer
+from ._args import (
+    RANK_LIMIT,
+    argument_list,
+    choice,
+    environment,
+    integer,
+    path,
+    ready_timeout,
+    text,
+    type_name,
+)
 from ._process import EngineProcess, spawn_engine_process
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Mapping
 
-__all__ = ["EngineSource", "ExternalEngines", "ReferenceEngines", "VllmEngines"]
+__all__ = [
+    "EngineSource",
+    "ExternalEngines",
+    "ReferenceEngines",
+    "VllmEngines",
+    "check_add_engines",
+    "check_source",
+    "check_sources",
+]
 
 _HEADLESS_ENTRY_POINT = Path(__file__).with_name("_vllm_headless.py")
 
@@ -322,3 +341,91 @@ def _split_tcp(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"expected a tcp://HOST:PORT address, got {address!r}")
     return host.strip("[]") if host.startswith("[") else host, int(port)
+
+
+# ---- argument checks (the helpers are in _args.py) ------------------------------
+
+
+def _reference_choices() -> dict[str, Sequence[str]]:
+    # The reference engine's own parser is the authority on its choices (it imports
+    # neither torch nor zmq), so a new model or protocol needs no change here.
+    from ..reference_engine._options import build_parser
+
+    parser = build_parser()
+    choices: dict[str, Sequence[str]] = {}
+    for action in parser._actions:
+        for option in ("--model", "--device", "--protocol"):
+            if option in action.option_strings and action.choices is not None:
+                choices[option[2:]] = [str(c) for c in action.choices]
+    return choices
+
+
+def check_source(source: object, name: str = "engines") -> None:
+    """Check an engine source's type and every one of its arguments."""
+    if not isinstance(source, EngineSource):
+        raise TypeError(
+            f"{name} must be an engine source (ReferenceEngines, VllmEngines, "
+            f"ExternalEngines) or a list of them, got {type_name(source)}"
+        )
+    kind = type(source).__name__
+    count = integer(f"{kind}(count=...)", source.count, minimum=1, maximum=RANK_LIMIT)
+    start = integer(
+        f"{kind}(start_rank=...)", source.start_rank, minimum=0, maximum=RANK_LIMIT - 1
+    )
+    if start + count > RANK_LIMIT:
+        raise ValueError(
+            f"{kind}: ranks {start}..{start + count - 1} do not fit a 2-byte identity "
+            f"(at most {RANK_LIMIT - 1})"
+        )
+    if isinstance(source, ReferenceEngines):
+        choices = _reference_choices()
+        choice(f"{kind}(model=...)", source.model, choices.get("model", ()))
+        choice(f"{kind}(device=...)", source.device, choices.get("device", ()), optional=True)
+        choice(
+            f"{kind}(protocol=...)", source.protocol, choices.get("protocol", ()), optional=True
+        )
+        argument_list(f"{kind}(faults=...)", source.faults)
+        argument_list(f"{kind}(extra_args=...)", source.extra_args)
+        path(f"{kind}(python=...)", source.python)
+        environment(f"{kind}(env=...)", source.env)
+        choice(f"{kind}(transport=...)", source.transport, ("ipc", "tcp"))
+    elif isinstance(source, VllmEngines):
+        path(f"{kind}(model=...)", source.model)
+        path(f"{kind}(python=...)", source.python)
+        argument_list(f"{kind}(extra_args=...)", source.extra_args)
+        environment(f"{kind}(env=...)", source.env)
+    elif isinstance(source, ExternalEngines):
+        _tcp_address(f"{kind}(handshake_address=...)", source.handshake_address)
+        text(f"{kind}(advertise_host=...)", source.advertise_host, optional=True)
+        text(f"{kind}(bind_host=...)", source.bind_host, optional=True)
+
+
+def _tcp_address(name: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a 'tcp://HOST:PORT' str, got {value!r}")
+    host, sep, port = value.removeprefix("tcp://").rpartition(":")
+    if not value.startswith("tcp://") or not sep or not host or not port.isdigit():
+        raise ValueError(f"{name} must be 'tcp://HOST:PORT', got {value!r}")
+    if int(port) > 65535:
+        raise ValueError(f"{name}: port {port} is out of range (0-65535)")
+
+
+def check_sources(engines: object) -> list[EngineSource]:
+    """Check `open_client`'s ``engines``: one source or a non-empty list of them."""
+    if isinstance(engines, EngineSource):
+        check_source(engines)
+        return [engines]
+    if isinstance(engines, (str, bytes)) or not isinstance(engines, Sequence):
+        check_source(engines)  # raises the TypeError naming the argument
+    assert isinstance(engines, Sequence)
+    if not engines:
+        raise ValueError("engines must name at least one engine source, got an empty list")
+    for i, source in enumerate(engines):
+        check_source(source, f"engines[{i}]")
+    return list(engines)
+
+
+def check_add_engines(source: object, ready_timeout_s: object) -> None:
+    """Check the arguments of ``add_engines``."""
+    check_source(source, "source")
+    ready_timeout(ready_timeout_s)

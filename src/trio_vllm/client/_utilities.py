@@ -19,7 +19,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, TypeVar, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Generic,
+    Literal,
+    ParamSpec,
+    Protocol,
+    TypeVar,
+    overload,
+)
 
 from .._exceptions import ProtocolError
 
@@ -28,14 +37,24 @@ if TYPE_CHECKING:
 
     from ..protocol.profiles import ProtocolProfile
     from ..protocol.structs import LoRARequest
-    from ..sync import SyncClient
-    from ._client import EngineCoreClient
 
 __all__ = ["FanOut", "NamedUtilities", "NamedUtility", "combine_results", "wire_args"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
 FanOut = Literal["one", "all", "agree"]
+
+
+# The two kinds of client, told apart by their ``_named_utility``: the table needs no
+# import of either client (each imports this module).
+class _AsyncClient(Protocol):
+    def _named_utility(self, spec: NamedUtility[..., T], args: list[object], /) -> Awaitable[T]:
+        ...
+
+
+class _SyncClient(Protocol):
+    def _named_utility(self, spec: NamedUtility[..., T], args: list[object], /) -> T: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +70,10 @@ class NamedUtility(Generic[P, R]):
     def __get__(self, obj: None, owner: type) -> NamedUtility[P, R]: ...
 
     @overload
-    def __get__(self, obj: EngineCoreClient, owner: type) -> Callable[P, Awaitable[R]]: ...
+    def __get__(self, obj: _AsyncClient, owner: type) -> Callable[P, Awaitable[R]]: ...
 
     @overload
-    def __get__(self, obj: SyncClient, owner: type) -> Callable[P, R]: ...
+    def __get__(self, obj: _SyncClient, owner: type) -> Callable[P, R]: ...
 
     def __get__(self, obj: object, owner: type) -> object:
         if obj is None:

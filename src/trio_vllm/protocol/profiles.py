@@ -12,6 +12,7 @@ This module is the only place that knows how releases differ.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from dataclasses import dataclass
@@ -42,8 +43,13 @@ class ProtocolProfile:
     ``map_keys`` maps a map-encoded struct's class name to its keys in declaration
     order. ``reserved_call_ids`` are the utility call ids the engine uses for its own
     notifications; ``utility_arity`` the positional-argument count limits of the
-    utilities the release's own client calls. ``requested_version`` is the version
-    string this profile was chosen for (differs from ``vllm_version`` for a fallback).
+    utilities the release's own client calls; ``unavailable_utilities`` the utility
+    methods its engine core lacks (a call fails with vLLM's ``AttributeError`` text).
+    ``wake_up_reports_awake``: the engine's ``wake_up`` returns whether it is fully
+    awake (else ``None``). ``any_rank_requests_wave``: an idle DP rank that gets work
+    asks the coordinator for a new wave (else only rank 0 does, docs/protocol.md §7.4).
+    ``requested_version`` is the version string this profile was chosen for (differs
+    from ``vllm_version`` for a fallback).
     """
 
     vllm_version: str
@@ -51,6 +57,9 @@ class ProtocolProfile:
     map_keys: Mapping[str, tuple[str, ...]]
     reserved_call_ids: frozenset[int]
     utility_arity: Mapping[str, tuple[int, int]]
+    unavailable_utilities: frozenset[str] = frozenset()
+    wake_up_reports_awake: bool = True
+    any_rank_requests_wave: bool = False
     requested_version: str = ""
     fallback: bool = False
 
@@ -236,6 +245,16 @@ _UTILITIES_0_25: Final = {
 } | {"profile": (0, 2), "eep_handle_engine_core_notification": (1, 1)}
 _UTILITIES_0_33: Final = _UTILITIES_0_32 | {"profile": (0, 5), "pause_generation": (0, 2)}
 
+# Engine-core utility methods a release's engine does not have yet.
+_UNAVAILABLE_0_32: Final = frozenset({"pause_generation"})
+_UNAVAILABLE_0_25: Final = _UNAVAILABLE_0_32 | {
+    "release_kv_cache_memory",
+    "compute_weight_checksums",
+    "set_weight_version",
+    "get_weight_version",
+    "commit_prepared_elastic_ep",
+}
+
 
 def _profile(
     version: str,
@@ -253,6 +272,9 @@ def _profile(
     prefill: tuple[str, ...],
     reserved: frozenset[int],
     utilities: Mapping[str, tuple[int, int]],
+    unavailable: frozenset[str],
+    wake_up_reports_awake: bool = True,
+    any_rank_requests_wave: bool = False,
 ) -> ProtocolProfile:
     layouts = {
         "EngineCoreRequest": request,
@@ -279,6 +301,9 @@ def _profile(
         map_keys=MappingProxyType(map_keys),
         reserved_call_ids=reserved,
         utility_arity=MappingProxyType(dict(utilities)),
+        unavailable_utilities=unavailable,
+        wake_up_reports_awake=wake_up_reports_awake,
+        any_rank_requests_wave=any_rank_requests_wave,
         requested_version=version,
     )
 
@@ -298,6 +323,8 @@ V0_25_1: Final = _profile(
     prefill=_PREFILL_0_25,
     reserved=frozenset({-1}),
     utilities=_UTILITIES_0_25,
+    unavailable=_UNAVAILABLE_0_25,
+    wake_up_reports_awake=False,
 )
 V0_32_0: Final = _profile(
     "0.32.0",
@@ -314,6 +341,7 @@ V0_32_0: Final = _profile(
     prefill=_PREFILL_0_32,
     reserved=frozenset({-1, -2}),
     utilities=_UTILITIES_0_32,
+    unavailable=_UNAVAILABLE_0_32,
 )
 V0_33_0: Final = _profile(
     "0.33.0",
@@ -330,6 +358,8 @@ V0_33_0: Final = _profile(
     prefill=_PREFILL_0_32,
     reserved=frozenset({-1, -2}),
     utilities=_UTILITIES_0_33,
+    unavailable=frozenset(),
+    any_rank_requests_wave=True,
 )
 
 #: Every known profile by its release string, oldest first.
@@ -396,12 +426,4 @@ def profile_for_version(vllm_version: str) -> ProtocolProfile:
 
 
 def _variant(profile: ProtocolProfile, requested: str, *, fallback: bool) -> ProtocolProfile:
-    return ProtocolProfile(
-        vllm_version=profile.vllm_version,
-        layouts=profile.layouts,
-        map_keys=profile.map_keys,
-        reserved_call_ids=profile.reserved_call_ids,
-        utility_arity=profile.utility_arity,
-        requested_version=requested,
-        fallback=fallback,
-    )
+    return dataclasses.replace(profile, requested_version=requested, fallback=fallback)

@@ -14,21 +14,17 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..protocol.profiles import PROFILES
+from ._errors import UtilityError
 from ._scheduler import FinishReason, PauseState
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ._server import EngineServer
+    from ._state import EngineState
 
-__all__ = ["Deferred", "Utilities", "UtilityError"]
+__all__ = ["Deferred", "Utilities", "UtilityCalls", "UtilityError"]
 
 _PAUSE_MODES = ("abort", "wait", "keep")
-
-
-class UtilityError(Exception):
-    """A utility failed; ``str(exc)`` is the text after ``"Call to X method failed: "``."""
 
 
 @dataclass(eq=False)
@@ -42,7 +38,7 @@ class Deferred:
 class _Worker:
     """The single worker ``collective_rpc`` reaches (world size 1)."""
 
-    def __init__(self, server: EngineServer) -> None:
+    def __init__(self, server: EngineState) -> None:
         self._server = server
 
     def check_health(self) -> None:
@@ -82,7 +78,8 @@ class _Worker:
 class Utilities:
     """Engine-side utility methods. Public methods are exactly the callable names."""
 
-    def __init__(self, server: EngineServer) -> None:
+    def __init__(self, server: EngineState) -> None:
+        # Named _server: test engines that add utilities reach the engine through it.
         self._server = server
         self._worker = _Worker(server)
         self._weight_version = "default"
@@ -92,24 +89,13 @@ class Utilities:
         self._pinned: set[int] = set()
         self._profiling = False
         self.generation_paused = False  # 0.33 pause_generation in abort/wait mode
+        self.last_argc = 0  # positional arguments of the call being served
 
     # ---- dispatch ------------------------------------------------------------------
 
     def lookup(self, method: str) -> Callable[..., Any]:
         """The bound method for ``method`` or `UtilityError` as vLLM words it."""
-        profile = self._server.profile_name
-        unavailable = {
-            "0.25.1": {
-                "release_kv_cache_memory",
-                "compute_weight_checksums",
-                "set_weight_version",
-                "get_weight_version",
-                "commit_prepared_elastic_ep",
-                "pause_generation",
-            },
-            "0.32.0": {"pause_generation"},
-            "0.33.0": set(),
-        }[profile]
+        unavailable = self._server.profile.unavailable_utilities
         func = None
         if not method.startswith("_") and method not in unavailable and method != "lookup":
             func = getattr(self, method, None)
@@ -121,6 +107,7 @@ class Utilities:
         return func  # type: ignore[no-any-return]
 
     def call(self, method: str, args: list[Any]) -> Any:
+        self.last_argc = len(args)
         func = self.lookup(method)
         if method in self._server.options.fail_utilities:
             raise UtilityError(f"injected failure of {method}")
@@ -152,7 +139,7 @@ class Utilities:
             raise UtilityError(f"Invalid pause mode: {mode!r}; expected one of {_PAUSE_MODES}")
         sched = self._server.scheduler
         if mode == "abort":
-            self._server.send_engine_finished(sched.finish_all(FinishReason.ABORT))
+            self._server.output.send_engine_finished(sched.finish_all(FinishReason.ABORT))
             sched.pause_state = PauseState.PAUSED_NEW
         elif mode == "wait":
             sched.pause_state = PauseState.PAUSED_NEW
@@ -179,8 +166,8 @@ class Utilities:
         profiler_kwargs: dict[str, Any] | None = None,
     ) -> None:
         # The release's own argument count, from its profile (as the client trims).
-        limit = PROFILES[self._server.profile_name].utility_arity["profile"][1]
-        if self._server.last_utility_argc > limit:
+        limit = self._server.profile.utility_arity["profile"][1]
+        if self.last_argc > limit:
             raise UtilityError("")
         self._profiling = bool(is_start)
 
@@ -220,7 +207,7 @@ class Utilities:
         if not self._sleeping_tags and self._paused_by_sleep:
             self._paused_by_sleep = False
             self._server.scheduler.pause_state = PauseState.UNPAUSED
-        if self._server.profile_name == "0.25.1":
+        if not self._server.profile.wake_up_reports_awake:
             return None
         return not self._sleeping_tags
 
@@ -339,3 +326,49 @@ class Utilities:
 
     def barrier(self) -> None:
         return None
+
+
+class UtilityCalls:
+    """Utility calls from the wire: served at once, or replied to later (`Deferred`)."""
+
+    def __init__(
+        self, utilities: Utilities, reply: Callable[[int, int, str | None, Any], None]
+    ) -> None:
+        self._utilities = utilities
+        self._reply = reply
+        self._pending: list[tuple[int, int, str, Deferred]] = []
+
+    def handle(self, client_index: int, call_id: int, method: str, args: list[Any]) -> None:
+        """Call ``method``; reply with its value or failure now, or once it is ready."""
+        try:
+            result = self._utilities.call(method, args)
+        except UtilityError as exc:
+            self._reply(client_index, call_id, f"Call to {method} method failed: {exc}", None)
+            return
+        if isinstance(result, Deferred):
+            self._pending.append((client_index, call_id, method, result))
+            return
+        self._reply(client_index, call_id, None, result)
+
+    def complete(self) -> None:
+        """Reply to every deferred call whose condition now holds."""
+        if not self._pending:
+            return
+        still = []
+        for client_index, call_id, method, deferred in self._pending:
+            if not deferred.ready():
+                still.append((client_index, call_id, method, deferred))
+                continue
+            try:
+                value = deferred.finish()
+            except Exception as exc:
+                self._reply(client_index, call_id, f"Call to {method} method failed: {exc}", None)
+            else:
+                self._reply(client_index, call_id, None, value)
+        self._pending = still
+
+    def fail_all(self, failure: str) -> None:
+        """Reply ``failure`` to every deferred call (shutdown)."""
+        for client_index, call_id, _method, _deferred in self._pending:
+            self._reply(client_index, call_id, failure, None)
+        self._pending = []

@@ -39,15 +39,12 @@ from ..protocol.structs import (
     UtilityOutput,
     UtilityResult,
 )
+from ._errors import UtilityError, WireError
 
 if TYPE_CHECKING:
     from ._scheduler import OutputRecord
 
 __all__ = ["Wire", "WireError"]
-
-
-class WireError(Exception):
-    """A message could not be decoded (the protocol layer's ProtocolError, re-raised)."""
 
 
 class Wire:
@@ -57,7 +54,12 @@ class Wire:
         self.profile = profile_for_version(version)
         self.version = version
         self.codec = _codec.EngineCodec(self.profile)
-        self._with_cache_creation = version != "0.25.1"
+        # What the release's structs have: the profile's layouts say.
+        self._with_cache_creation = "num_cache_creation_tokens" in self.profile.fields(
+            "PrefillStats"
+        )
+        self._with_weight_version = "weight_version" in self.profile.fields("EngineCoreOutputs")
+        self._with_request_error = "error" in self.profile.fields("EngineCoreOutput")
 
     # ---- startup ----
 
@@ -105,8 +107,6 @@ class Wire:
         raise WireError(f"unexpected decoded message {type(msg).__name__}")
 
     def convert_lora(self, value: Any) -> Any:
-        from ._utilities import UtilityError
-
         if isinstance(value, LoRARequest):
             return value  # already decoded (a request's adapter)
         try:
@@ -132,7 +132,7 @@ class Wire:
         return self.codec.encode_outputs(outputs)
 
     def outputs(self, **fields: Any) -> EngineCoreOutputs:
-        if self.version == "0.25.1":
+        if not self._with_weight_version:
             fields.pop("weight_version", None)
         return EngineCoreOutputs(**fields)
 
@@ -173,7 +173,7 @@ class Wire:
                 stats.pop("num_cache_creation_tokens", None)
             prefill = PrefillStats(**stats)
         error = None
-        if record.error is not None and self.version == "0.33.0":
+        if record.error is not None and self._with_request_error:
             code, message, retryable = record.error
             error = RequestError(code, message, retryable)
         return EngineCoreOutput(
