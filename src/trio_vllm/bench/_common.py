@@ -78,6 +78,8 @@ def sigint_held() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
     if received and callable(previous):
         previous(signal.SIGINT, None)
+    elif received and previous == signal.SIG_DFL:
+        signal.raise_signal(signal.SIGINT)  # the default action: terminate, as unheld
 
 
 class ScratchDir:
