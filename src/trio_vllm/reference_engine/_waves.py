@@ -3,7 +3,9 @@ request counts a rank publishes to the coordinator.
 
 Every rank decides alone (no collective): it runs while any rank has work, and a wave
 ends when this rank is idle at a sync point. Rank 0 (or a rank without a coordinator)
-reports the end; an idle rank that gets work asks the coordinator for a new wave.
+reports the end. An idle rank that gets work asks the coordinator for a new wave: any
+rank where the release's ``ProtocolProfile.any_rank_requests_wave`` says so (0.33),
+else rank 0 only; any idle rank asks when a request names a wave that already ended.
 """
 
 from __future__ import annotations
