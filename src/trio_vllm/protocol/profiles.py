@@ -57,11 +57,12 @@ class ProtocolProfile:
     map_keys: Mapping[str, tuple[str, ...]]
     reserved_call_ids: frozenset[int]
     utility_arity: Mapping[str, tuple[int, int]]
+    requested_version: str = ""
+    fallback: bool = False
+    # Added after the fields above so that positional construction keeps its meaning.
     unavailable_utilities: frozenset[str] = frozenset()
     wake_up_reports_awake: bool = True
     any_rank_requests_wave: bool = False
-    requested_version: str = ""
-    fallback: bool = False
 
     @property
     def version_tuple(self) -> tuple[int, int, int]:
