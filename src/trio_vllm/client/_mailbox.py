@@ -72,32 +72,48 @@ _NOBODY: Final = _Nobody()
 
 
 class _TrioWakeup:
-    """A parked trio task, rescheduled by `set`: no event object per wake-up and none
+    """Parked trio tasks, rescheduled by `set`: no event object per wake-up and none
     of anyio's dispatch (an `anyio.Event` made and waited per wake-up cost a tenth of
     a 4096-stream consumer's time). `set` with nobody parked does nothing: a consumer
-    looks at its queue, synchronously, right before it parks."""
+    looks at its queue, synchronously, right before it parks. One waiter is the rule
+    (one consumer); further ones, if any, wait in a list."""
 
-    __slots__ = ("_lowlevel", "_task")
+    __slots__ = ("_lowlevel", "_more", "_task")
 
     def __init__(self, lowlevel: Any) -> None:
         self._lowlevel = lowlevel
         self._task: object | None = None
+        self._more: list[object] = []
 
     def set(self) -> None:
         task = self._task
         if task is not None:
             self._task = None
             self._lowlevel.reschedule(task)
+        if self._more:
+            more, self._more = self._more, []
+            for task in more:
+                self._lowlevel.reschedule(task)
 
     def _abort(self, _raise_cancel: object) -> object:
-        self._task = None
+        self._task = None  # only called while this waiter is still parked as _task
         return self._lowlevel.Abort.SUCCEEDED
 
     async def wait(self) -> None:
         """Park until `set`; a checkpoint (cancellable: then nothing changed)."""
         lowlevel = self._lowlevel
-        self._task = lowlevel.current_task()
-        await lowlevel.wait_task_rescheduled(self._abort)
+        task = lowlevel.current_task()
+        if self._task is None:
+            self._task = task
+            await lowlevel.wait_task_rescheduled(self._abort)
+            return
+        self._more.append(task)
+
+        def abort(_raise_cancel: object) -> object:
+            self._more.remove(task)
+            return lowlevel.Abort.SUCCEEDED
+
+        await lowlevel.wait_task_rescheduled(abort)
 
 
 class _AnyioWakeup:
