@@ -1,4 +1,4 @@
-"""The client's one queue primitive: a deque and an event, filled without blocking.
+"""The client's one queue primitive: a deque and a wake-up, filled without blocking.
 
 The receive task puts items with a synchronous call (never a checkpoint, never
 blocks); consumers await them. `Mailbox` is used as it is for the engine
@@ -10,6 +10,10 @@ Ending: `Mailbox.close` with no error ends iteration (``anyio.EndOfStream``
 from `receive`) once the queue is empty; with an error factory every
 later call raises a fresh error from it, also once the queue is empty, so items
 that arrived before the end are always handed out first.
+
+Waking: a consumer that finds nothing queued parks (on trio as a bare parked task,
+rescheduled by the producer; elsewhere on an ``anyio.Event``), and that wait is the
+call's checkpoint. The producer wakes it only while it is parked.
 """
 
 from __future__ import annotations
