@@ -22,9 +22,7 @@ SRC: Final = Path(trio_vllm.__file__).parent
 MAX_CLASS_LINES: Final = 600
 # Classes over the limit today, each with the size it may not exceed: the entry goes
 # when its owner cuts the class below the limit (the test then says so).
-OVERSIZE: Final = {
-    "trio_vllm.transport._socket.AsyncSocket": 606,
-}
+OVERSIZE: Final[dict[str, int]] = {}
 
 
 def _modules(src: Path) -> dict[str, tuple[Path, bool]]:

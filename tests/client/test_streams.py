@@ -11,6 +11,7 @@ import pytest
 
 from trio_vllm import EngineDeadError
 from trio_vllm.client import make_request, new_request_id, prepare_sampling_params
+from trio_vllm.client._mailbox import Mailbox
 from trio_vllm.client._streams import RequestStream, coalesce_outputs
 from trio_vllm.protocol.structs import (
     EngineCoreEvent,
@@ -259,3 +260,45 @@ async def test_interleaved_consumption_with_coalescing() -> None:
         seen.extend(out.new_token_ids)
         assert out.new_logprobs.logprob_token_ids[:, 0].tolist() == out.new_token_ids
     assert seen == list(range(30))
+
+
+async def test_parked_consumers_each_get_an_item() -> None:
+    """A mailbox has one consumer as a rule, but two parked at once are both woken
+    (the trio wake-up keeps one parked task in a slot and more in a list)."""
+    box: Mailbox[int] = Mailbox()
+    got: list[int] = []
+
+    async def consume() -> None:
+        got.append(await box.receive())
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            tg.start_soon(consume)
+            await anyio.wait_all_tasks_blocked()
+            assert box._waiting
+            box._put(1)
+            box._put(2)
+    assert sorted(got) == [1, 2]
+
+
+async def test_cancelled_parked_consumer_leaves_the_item_for_the_next() -> None:
+    """Cancelled while parked: nothing consumed, nothing left parked; a later put wakes
+    the next receive."""
+    stream = RequestStream("r", 0)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stream.receive)
+            await anyio.wait_all_tasks_blocked()
+            tg.cancel_scope.cancel()
+        assert not stream._waiting
+        stream._deliver(_out([5]))
+        assert (await stream.receive()).new_token_ids == [5]
+
+        async def deliver_when_parked() -> None:
+            await anyio.wait_all_tasks_blocked()
+            stream._deliver(_out([6]))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(deliver_when_parked)
+            assert (await stream.receive()).new_token_ids == [6]

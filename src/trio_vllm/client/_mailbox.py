@@ -1,4 +1,4 @@
-"""The client's one queue primitive: a deque and an event, filled without blocking.
+"""The client's one queue primitive: a deque and a wake-up, filled without blocking.
 
 The receive task puts items with a synchronous call (never a checkpoint, never
 blocks); consumers await them. `Mailbox` is used as it is for the engine
@@ -10,6 +10,10 @@ Ending: `Mailbox.close` with no error ends iteration (``anyio.EndOfStream``
 from `receive`) once the queue is empty; with an error factory every
 later call raises a fresh error from it, also once the queue is empty, so items
 that arrived before the end are always handed out first.
+
+Waking: a consumer that finds nothing queued parks (on trio as a bare parked task,
+rescheduled by the producer; elsewhere on an ``anyio.Event``), and that wait is the
+call's checkpoint. The producer wakes it only while it is parked.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import collections
 import sys
 import time
-from typing import TYPE_CHECKING, Final, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -50,6 +54,98 @@ def _checkpoint_if_cancelled() -> Callable[[], Awaitable[None]]:
     return anyio.lowlevel.checkpoint_if_cancelled
 
 
+class _Wakeup(Protocol):
+    def set(self) -> None: ...
+
+    async def wait(self) -> None: ...
+
+
+class _Nobody:
+    """The wake-up of a mailbox nobody has waited on yet: nothing to wake."""
+
+    __slots__ = ()
+
+    def set(self) -> None:
+        pass
+
+    async def wait(self) -> None:  # pragma: no cover (replaced before any wait)
+        raise AssertionError("a mailbox waits on its backend's wake-up")
+
+
+_NOBODY: Final = _Nobody()
+
+
+class _TrioWakeup:
+    """Parked trio tasks, rescheduled by `set`: no event object per wake-up and none
+    of anyio's dispatch (an `anyio.Event` made and waited per wake-up cost a tenth of
+    a 4096-stream consumer's time). `set` with nobody parked does nothing: a consumer
+    looks at its queue, synchronously, right before it parks. One waiter is the rule
+    (one consumer); further ones, if any, wait in a list."""
+
+    __slots__ = ("_lowlevel", "_more", "_task")
+
+    def __init__(self, lowlevel: Any) -> None:
+        self._lowlevel = lowlevel
+        self._task: object | None = None
+        self._more: list[object] = []
+
+    def set(self) -> None:
+        task = self._task
+        if task is not None:
+            self._task = None
+            self._lowlevel.reschedule(task)
+        if self._more:
+            more, self._more = self._more, []
+            for task in more:
+                self._lowlevel.reschedule(task)
+
+    def _abort(self, _raise_cancel: object) -> object:
+        self._task = None  # only called while this waiter is still parked as _task
+        return self._lowlevel.Abort.SUCCEEDED
+
+    async def wait(self) -> None:
+        """Park until `set`; a checkpoint (cancellable: then nothing changed)."""
+        lowlevel = self._lowlevel
+        task = lowlevel.current_task()
+        if self._task is None:
+            self._task = task
+            await lowlevel.wait_task_rescheduled(self._abort)
+            return
+        self._more.append(task)
+
+        def abort(_raise_cancel: object) -> object:
+            self._more.remove(task)
+            return lowlevel.Abort.SUCCEEDED
+
+        await lowlevel.wait_task_rescheduled(abort)
+
+
+class _AnyioWakeup:
+    """Elsewhere (asyncio): an `anyio.Event`, made anew after each `set`."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        event = self._event
+        if event.is_set():
+            event = self._event = anyio.Event()
+        await event.wait()
+
+
+def _wakeup_for_backend() -> _Wakeup:
+    # Looked up, not imported, as in _checkpoint_if_cancelled.
+    trio = sys.modules.get("trio")
+    if trio is not None and trio.lowlevel.in_trio_task():
+        return _TrioWakeup(trio.lowlevel)
+    return _AnyioWakeup()
+
+
 class Mailbox(Generic[T]):
     """An unbounded single-consumer queue fed synchronously by the receive task.
 
@@ -59,7 +155,9 @@ class Mailbox(Generic[T]):
 
     def __init__(self) -> None:
         self._pending: collections.deque[T] = collections.deque()
-        self._wakeup = anyio.Event()
+        # Set by the producer only while _waiting; made for the consumer's backend on
+        # its first wait (before that nobody waits, so a set() may do nothing).
+        self._wakeup: _Wakeup = _NOBODY
         self._ended = False  # no more items will come (after the queued ones)
         self._error: Callable[[], BaseException] | None = None
         self._yield_due = 0.0  # until then a call that finds items may skip yielding
@@ -107,27 +205,35 @@ class Mailbox(Generic[T]):
         # While items are buffered, yield to other tasks at most once per interval
         # (always checking for cancellation): a full scheduler pass per item was most
         # of a lagging consumer's cost. Either way a cancelled call consumed nothing.
-        if self._pending and time.monotonic() < self._yield_due:
-            check = self._check_cancelled
-            if check is None:
-                check = self._check_cancelled = _checkpoint_if_cancelled()
-            await check()
-            return self._take()
-        await anyio.lowlevel.checkpoint()
-        while True:
-            self._yield_due = time.monotonic() + YIELD_INTERVAL
-            if self._pending:
+        if self._pending:
+            if time.monotonic() < self._yield_due:
+                check = self._check_cancelled
+                if check is None:
+                    check = self._check_cancelled = _checkpoint_if_cancelled()
+                await check()
                 return self._take()
-            if self._at_end():
-                raise StopAsyncIteration
-            if self._error is not None:
+            await anyio.lowlevel.checkpoint()
+        while True:
+            if self._pending:
+                self._yield_due = time.monotonic() + YIELD_INTERVAL
+                return self._take()
+            if self._at_end() or self._error is not None:
+                await anyio.lowlevel.checkpoint()
+                if self._pending:
+                    continue
+                if self._at_end():
+                    raise StopAsyncIteration
+                assert self._error is not None
                 raise self._error()
-            if self._wakeup.is_set():
-                self._wakeup = anyio.Event()
-            # Waiting is a checkpoint: a woken call returns without another one.
+            # Nothing queued: the wait is this call's checkpoint (it yields and is
+            # cancellable), so no checkpoint before it: one task switch per wake-up,
+            # not two (many stream consumers each wake once per receive batch).
+            wakeup = self._wakeup
+            if wakeup is _NOBODY:
+                wakeup = self._wakeup = _wakeup_for_backend()
             self._waiting = True
             try:
-                await self._wakeup.wait()
+                await wakeup.wait()
             finally:
                 self._waiting = False
 

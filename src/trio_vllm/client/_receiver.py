@@ -23,7 +23,7 @@ from ..protocol.session import QueueRaw, RankState
 from ._startup import _bytes
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable
 
     from ..protocol.session import Action, ClientSession
     from ..transport import AsyncSocket
@@ -91,17 +91,14 @@ class Receiver:
         elif self._scope is not None:
             self._scope.cancel()
 
-    def handle_frames(self, frames: Sequence[bytes | zmq.Frame]) -> None:
-        """Route one output-socket message; raises ProtocolError on bad input."""
-        actions = self._session.receive(self._wire.decode_outputs(frames))
-        if actions and type(actions[-1]) is QueueRaw:  # the session appends it last
-            self._raw_batch = True
-        self._apply(actions)
-
     async def receive_loop(self) -> None:
         """Receive task for the output socket; ends on close or death, never raises."""
         socket = self._sockets.output
         session = self._session
+        # Bound once: the loop below is the per-message hot path.
+        decode = self._wire.decode_outputs
+        receive = session.receive
+        apply = self._apply
         self._receiving = True
         try:
             while not session.dead:
@@ -117,10 +114,13 @@ class Receiver:
                     while not session.noticed:
                         limit = _RAW_BATCH_BYTES if self._raw_batch else _STREAM_BATCH_BYTES
                         self._raw_batch = False
-                        batch = await socket.receive_batch(max_bytes=limit)
-                        for frames in batch:
-                            self.handle_frames(frames)
-                            if self._session.dead:  # (mypy narrows session.dead)
+                        for frames in await socket.receive_batch(max_bytes=limit):
+                            actions = receive(decode(frames))
+                            if actions:
+                                if type(actions[-1]) is QueueRaw:  # appended last
+                                    self._raw_batch = True
+                                apply(actions)
+                            if session.death is not None:
                                 return
                 self._scope = None
                 if session.noticed:
