@@ -251,7 +251,12 @@ async def test_get_output_cancelled_consumes_nothing(
         request = make_request([8], max_tokens=1)
         marker[:] = [request.request_id]
         await client.add_request(request)
-        await anyio.sleep(0.2)  # its one batch is queued now (the engine answers in ms)
+        # Its one batch is queued once the request is no longer live (both happen as
+        # the receive task handles it); a fixed 0.2 s could end first on a loaded
+        # machine, and a cancelled run then looked as if it had taken the batch.
+        with anyio.fail_after(30):
+            while request.request_id in client.live_requests:  # noqa: ASYNC110
+                await anyio.sleep(0.005)
 
     def is_marker(batch: EngineCoreOutputs) -> bool:
         return [o.request_id for o in batch.outputs] == marker
