@@ -168,6 +168,7 @@ def test_firehose(spawn) -> None:  # type: ignore[no-untyped-def]
         fe.recv()
 
 
+@pytest.mark.timeout(150)  # the tiny model's torch import: seconds idle, more under load
 def test_tiny_prompt_embeds_match_token_ids(spawn) -> None:  # type: ignore[no-untyped-def]
     fe = spawn(model="tiny", args=["--device", "cpu"])
     prompt = list(b"embed me")

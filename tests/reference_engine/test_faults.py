@@ -10,7 +10,7 @@ import pytest
 from trio_vllm.protocol import EngineCoreDead, EngineCoreOutputs
 from trio_vllm.protocol.structs import ENGINE_CORE_DEAD
 
-from ._harness import request
+from ._harness import STARTUP_TIMEOUT, request
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -320,6 +320,7 @@ def test_help_documents_every_fault_flag() -> None:
         assert flag in out
 
 
+@pytest.mark.timeout(150)  # the tiny model's torch import: seconds idle, more under load
 def test_cuda_without_a_gpu_fails_startup(spawn) -> None:  # type: ignore[no-untyped-def]
     import shutil
 
@@ -328,7 +329,7 @@ def test_cuda_without_a_gpu_fails_startup(spawn) -> None:  # type: ignore[no-unt
     fe = spawn(["--device", "cuda"], model="tiny", start=False)
     fe._do_handshake = False
     fe.start()
-    ident, _ = fe._recv(fe.handshake_sock, 30, "HELLO")
+    ident, _ = fe._recv(fe.handshake_sock, STARTUP_TIMEOUT, "HELLO")
     from trio_vllm.protocol import (
         EngineHandshakeMetadata,
         EngineZmqAddresses,
@@ -337,7 +338,7 @@ def test_cuda_without_a_gpu_fails_startup(spawn) -> None:  # type: ignore[no-unt
 
     fe.handshake_sock.send_multipart([ident, encode_handshake_metadata(
         EngineHandshakeMetadata(EngineZmqAddresses(fe.input_addrs, fe.output_addrs)))])
-    assert fe.wait_exit(30) == 1
+    assert fe.wait_exit(STARTUP_TIMEOUT) == 1
     assert "EngineCore failed to start." in fe.stderr()
     assert not fe.inputs[0].poll(0)  # nothing was sent
 
