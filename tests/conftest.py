@@ -4,9 +4,20 @@ import gc
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+
+# Property tests must not depend on how fast the machine runs them: a loaded 2-core CI
+# box (or a stock engine freezing every process for seconds) can stall one example past
+# hypothesis's 200 ms deadline, or the first examples' generation past its "too slow"
+# health check. Both would fail a test that is correct. Tests that set their own
+# settings inherit this for what they leave out.
+settings.register_profile(
+    "trio-vllm", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("trio-vllm")
 
 
 @pytest.fixture(

@@ -18,6 +18,7 @@ from trio_vllm.client import (
     new_request_id,
     open_client,
 )
+from trio_vllm.testing import open_reference_engines
 
 pytestmark = pytest.mark.anyio
 
@@ -233,14 +234,18 @@ async def test_utilities() -> None:
 
 
 async def test_cancelled_utility_call_leaves_nothing_and_late_reply_is_dropped() -> None:
-    engines = ReferenceEngines(model="echo", faults=["--output-delay-ms", "300"])
-    async with open_client(engines, ready_timeout=30) as client:
+    async with open_reference_engines(model="echo") as engines:
+        client = engines.client
+        # Stalled, the engine cannot answer before the deadline, however slow the
+        # machine (an --output-delay-ms reply could beat a descheduled deadline).
+        await engines.control().stall()
         with anyio.move_on_after(0.05) as scope:
             await echo(client, "late")
         assert scope.cancelled_caught
         assert client.pending_utility_calls == 0
+        await engines.control().unstall()
         # The late reply arrives while the next call waits; it must not be mistaken.
-        with anyio.fail_after(5):
+        with anyio.fail_after(30):
             assert await echo(client, "next") == [["next"]]
         assert client.pending_utility_calls == 0
 
@@ -277,7 +282,10 @@ async def test_cancelling_one_caller_does_not_affect_others() -> None:
 
 
 async def test_routing_spreads_over_ranks() -> None:
-    async with open_client(ReferenceEngines(2, model="echo"), ready_timeout=30) as client:
+    # LONG: the raw request and d below run for minutes, so neither can finish before
+    # the routing and the abort look at them.
+    engines = ReferenceEngines(2, model="echo", extra_args=LONG)
+    async with open_client(engines, ready_timeout=30) as client:
         assert client.ranks == [0, 1]
         assert set(client.engine_pids) == {0, 1}
         async with (
@@ -295,8 +303,8 @@ async def test_routing_spreads_over_ranks() -> None:
         with pytest.raises(ValueError, match="no engine with rank 5"):
             await echo(client, rank=5)
         # Every request left the per-rank load exactly once.
-        await client.add_request(make_request([1], max_tokens=100_000 // 100, request_id="a"))
-        async with client.generate(make_request([1], max_tokens=1000)) as d:
+        await client.add_request(make_request([1], max_tokens=900_000, request_id="a"))
+        async with client.generate(make_request([1], max_tokens=900_000)) as d:
             assert d.rank == 1  # rank 0 has the raw request in flight
             await client.abort_requests(["a", d.request_id])
             assert d.aborted
@@ -308,8 +316,9 @@ async def test_asyncio_native_timeout_on_utility_call() -> None:
     """``asyncio.timeout`` cancels with ``Task.cancel()``, not an anyio scope."""
     import asyncio
 
-    engines = ReferenceEngines(model="echo", faults=["--output-delay-ms", "300"])
-    async with open_client(engines, ready_timeout=30) as client:
+    async with open_reference_engines(model="echo") as engines:
+        client = engines.client
+        await engines.control().stall()  # nothing can come back before the timeouts
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.05):
                 await echo(client, "late")
@@ -323,6 +332,7 @@ async def test_asyncio_native_timeout_on_utility_call() -> None:
             async with asyncio.timeout(0.05):
                 await consume()
         assert client.live_requests == []
+        await engines.control().unstall()
         assert await echo(client, "next") == [["next"]]
 
 

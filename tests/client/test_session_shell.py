@@ -10,15 +10,17 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
+import zmq
 
 from trio_vllm import EngineDeadError, EngineStartupError
 from trio_vllm.client import ExternalEngines, ReferenceEngines, make_request, open_client
 from trio_vllm.protocol import session as session_module
-from trio_vllm.testing import open_reference_engines
+from trio_vllm.testing import EngineControl, open_reference_engines
+from trio_vllm.transport import PrivateIpcDir
 
 if TYPE_CHECKING:
     from anyio.abc import Process
@@ -111,7 +113,7 @@ async def test_add_engines_reports_the_clients_death_at_once() -> None:
             await anyio.sleep(0.5)
             os.kill(pid, signal.SIGKILL)
 
-        with anyio.fail_after(10):
+        with anyio.fail_after(20):  # well under the 30 s the slow engine would take
             async with anyio.create_task_group() as tg:
                 tg.start_soon(kill_rank_0)
                 with pytest.raises(EngineDeadError, match="engine process died"):
@@ -138,11 +140,24 @@ async def test_a_joins_late_answer_after_it_gave_up_is_dropped(
             )
         )
 
+    ipc = PrivateIpcDir(prefix="trio-vllm-test-")
+    context: zmq.Context[Any] = zmq.Context()
     try:
         await start(*_engine_command(first, 0))
         async with open_client(ExternalEngines(first, count=1), ready_timeout=60) as client:
             # It gets its init metadata at once, then loads for 3 s: longer than the join waits.
-            await start(*_engine_command(joining, 1, "--startup-delay", "3"))
+            control_address = ipc.endpoint("control")
+            await start(*_engine_command(
+                joining, 1, "--startup-delay", "3", "--control-address", control_address
+            ))
+            # Its interpreter is up (the control socket is bound right before HELLO):
+            # on a loaded machine its startup alone could outlast the 1.5 s join, and
+            # an engine that never got the init metadata never answers late.
+            control = EngineControl(
+                rank=1, address=control_address, pid=processes[-1].pid, context=context,
+                timeout=60,
+            )  # fmt: skip
+            await control.status()
             with anyio.fail_after(30):
                 with pytest.raises(EngineStartupError, match="did not become ready"):
                     await client.add_engines(
@@ -161,3 +176,5 @@ async def test_a_joins_late_answer_after_it_gave_up_is_dropped(
                 if process.returncode is None:
                     process.kill()
                 await process.aclose()
+        context.destroy(linger=0)
+        ipc.cleanup()

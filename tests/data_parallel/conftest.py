@@ -8,7 +8,12 @@ from typing import Any
 
 from trio_vllm.client import ReferenceEngines
 
-LONG_ARGS = ("--max-model-len", "1000000")
+# A model step at most every millisecond: a "long" request (LONG, 100,000 tokens) runs
+# at least 100 s, longer than any test here waits (unpaced it took ~4 s, and a request
+# that had to outlive an add_engines or a kill could end first); and engines running
+# long requests send at most 1,000 messages a second each, so they do not bury a
+# loaded client under a backlog that new requests' outputs queue behind.
+LONG_ARGS = ("--max-model-len", "1000000", "--step-interval-ms", "1")
 COUNTING_ENGINE = str(Path(__file__).with_name("_counting_engine.py"))
 
 

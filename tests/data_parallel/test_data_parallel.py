@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.anyio
 
-LONG = 100_000
+LONG = 100_000  # >= 100 s: the engines are paced (conftest.LONG_ARGS)
 
 
 async def _until(predicate: Callable[[], bool]) -> None:
@@ -175,8 +175,10 @@ async def test_death_is_noticed_while_another_rank_floods_the_output_socket(
                         await anyio.sleep(0.001)
                 elapsed = time.monotonic() - started
             print(f"death noticed {elapsed * 1e3:.1f} ms after SIGKILL under the flood")
-            # Generous for loaded machines; the drain itself is bounded by 30 ms.
-            assert elapsed < 2.0, elapsed
+            # The drain itself is bounded by 30 ms; how much later the death shows
+            # measures the machine, so the bound only tells it from the drain that
+            # waited for the flood to end (10-13 s): a hang guard.
+            assert elapsed < 5.0, elapsed
             if on_engine_death == "continue":
                 await flood.receive()  # rank 0 still serves
 

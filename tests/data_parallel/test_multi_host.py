@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.anyio
 
-LONG = 100_000
+LONG = 100_000  # >= 100 s: the engines are paced (conftest.LONG_ARGS)
 
 
 def _free_port(host: str) -> int:

@@ -52,6 +52,8 @@ async def _sweep(
     options: dict[str, Any] = {
         "engines": engines,
         "checks": [_nothing_left(llm), *checks],
+        # Polled: returns once clean; a loaded machine can need seconds to get there.
+        "settle": 10.0,
     }
     report = await check_cancellation(scenario, **options)
     report.assert_ok()

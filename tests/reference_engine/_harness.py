@@ -44,6 +44,9 @@ from trio_vllm.protocol import (
 )
 
 DEFAULT_TIMEOUT = 15.0
+# A hang guard for startup: the tiny model imports torch (1.5-3 s idle), which took more
+# than 15 s on a loaded 2-core machine.
+STARTUP_TIMEOUT = 60.0
 _ids = itertools.count(1)
 
 
@@ -176,7 +179,7 @@ class Frontend:
             self.do_handshake()
         return self
 
-    def do_handshake(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def do_handshake(self, timeout: float = STARTUP_TIMEOUT) -> None:
         if self.handshake_sock is not None:
             identity, payload = self._recv(self.handshake_sock, timeout, "HELLO")
             assert identity == self.identity

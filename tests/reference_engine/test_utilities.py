@@ -105,7 +105,7 @@ def test_lora_disabled(echo_engine: Frontend, spawn) -> None:  # type: ignore[no
 def test_pause_modes_and_resume(spawn) -> None:  # type: ignore[no-untyped-def]
     fe = spawn()
     # keep: requests freeze in place and continue after resume.
-    long = request(PROMPT, max_tokens=100_000)
+    long = request(PROMPT, max_tokens=900_000)  # minutes: still running at the abort below
     fe.add(long)
     out = fe.recv()
     assert isinstance(out, EngineCoreOutputs)
@@ -197,16 +197,20 @@ def test_utilities_by_protocol(spawn) -> None:  # type: ignore[no-untyped-def]
 
 def test_deferred_replies_can_come_out_of_order(spawn) -> None:  # type: ignore[no-untyped-def]
     fe = spawn()
-    r = request(PROMPT, max_tokens=60)
+    # Minutes long, so it holds the pause until the abort below (60 tokens could be
+    # done before the pause was read: the pause was then answered first).
+    r = request(PROMPT, max_tokens=900_000)
     fe.add(r)
     fe.recv()
     slow = fe.send_call("pause_scheduler", "wait", False)
     fast = fe.send_call("get_weight_version")
     replies: list[int] = []
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while len(replies) < 2 and time.monotonic() < deadline:
         out = fe.recv()
         assert isinstance(out, EngineCoreOutputs)
         if out.utility_output is not None:
             replies.append(out.utility_output.call_id)
+            if len(replies) == 1:
+                fe.abort([r.request_id])  # nothing runs any more: the pause completes
     assert replies == [fast, slow]

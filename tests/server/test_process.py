@@ -120,6 +120,9 @@ async def _stream(base_url: str, body: dict[str, object], first: anyio.Event) ->
 
 
 _SLOW = ["--engine-args=--step-interval-ms 5"]  # 300 tokens take >= 1.5 s
+# 1,500 tokens take >= 30 s: every stream is still open at the SIGKILL, however long a
+# loaded machine takes to start all five (nothing waits for them to end).
+_SLOWER = ["--engine-args=--step-interval-ms 20"]
 
 
 async def test_sigterm_drains_running_requests_then_exits_0(anyio_backend: str) -> None:
@@ -161,7 +164,7 @@ async def test_sigterm_drains_running_requests_then_exits_0(anyio_backend: str) 
 
 
 async def test_engine_death_ends_streams_and_exits_1(anyio_backend: str) -> None:
-    async with cli_server(*_SLOW) as server:
+    async with cli_server(*_SLOWER) as server:
         (engine,) = server.engine_pids()
         started = [anyio.Event() for _ in range(5)]
         results: list[list[object]] = []
@@ -175,7 +178,7 @@ async def test_engine_death_ends_streams_and_exits_1(anyio_backend: str) -> None
                 tg.start_soon(one, event)
             for event in started:
                 await event.wait()
-            assert not results, "a stream ended before the SIGKILL"  # 1,500 tokens: >= 7.5 s
+            assert not results, "a stream ended before the SIGKILL"
             os.kill(engine, signal.SIGKILL)
         assert len(results) == 5
         for events in results:

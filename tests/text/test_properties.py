@@ -19,7 +19,8 @@ from trio_vllm.text import _detokenizer as detok_mod
 _ALPHABET = st.sampled_from(list("ab cdé你好世界😀🎉,.!\n"))
 _TEXT = st.text(_ALPHABET, min_size=1, max_size=40)
 _SETTINGS = settings(max_examples=60, deadline=None,
-                     suppress_health_check=[HealthCheck.function_scoped_fixture])
+                     suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                            HealthCheck.too_slow])
 
 
 @pytest.mark.parametrize("slow", [False, True])

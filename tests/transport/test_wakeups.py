@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import time
 from typing import Any
 
@@ -35,23 +36,26 @@ async def _dealer_with_router_peer(
 
 
 async def _fill_outgoing(sock: AsyncSocket) -> None:
-    """Queue messages until the peer's pipe stays full (libzmq keeps draining a while)."""
+    """Queue messages until the peer's pipe stays full (libzmq keeps draining a while;
+    0.3 s without room, not 0.06 s: its I/O thread can go unscheduled that long)."""
     quiet_rounds = 0
-    with anyio.fail_after(20):
-        while quiet_rounds < 3:
+    with anyio.fail_after(30):
+        while quiet_rounds < 15:
             added = sock.send_many([b"f" * 16384] for _ in range(1000))
             full = added == 0 and not sock.get_option(zmq.EVENTS) & zmq.POLLOUT
             quiet_rounds = quiet_rounds + 1 if full else 0
             await anyio.sleep(0.02)
 
 
-async def _edge_stolen_scenario(ctx: zmq.Context[Any], steal: str) -> list[list[Any]]:
+async def _edge_stolen_scenario(
+    ctx: zmq.Context[Any], steal: str, wait: float = 10.0
+) -> list[list[Any]]:
     """A task waits on a DEALER; a reply arrives; another call consumes the fd edge.
 
     The stealing call may succeed or fail (a send that hits the high-water mark
     processes libzmq's commands too). The loop is blocked (time.sleep) between the
     reply's arrival and the stealing call, so the waiting task cannot run before its
-    edge is consumed.
+    edge is consumed. The waiter gets ``wait`` seconds to be woken.
     """
     dealer, peer = await _dealer_with_router_peer(ctx, hwm=1 if steal == "failed_send" else 1000)
     got: list[list[Any]] = []
@@ -66,6 +70,12 @@ async def _edge_stolen_scenario(ctx: zmq.Context[Any], steal: str) -> list[list[
             tg.start_soon(receiver)
             await wait_for_waiters(dealer)
             peer.send_multipart([b"dealer", b"reply"])
+            # Block the loop until libzmq signalled the fd for the reply (the waiter
+            # blocked on it, so it was not readable before; a fixed 0.1 s alone could
+            # end first on a loaded machine, and the control test then saw a wake-up),
+            # then 0.1 s more for the commands libzmq sends right after the first.
+            readable, _, _ = select.select([dealer.fileno], [], [], 10)
+            assert readable, "libzmq never signalled the reply"
             time.sleep(0.1)  # noqa: ASYNC251 - block the loop while libzmq signals the fd
             if steal == "send":
                 dealer.send_nowait([b"ping"])
@@ -78,8 +88,8 @@ async def _edge_stolen_scenario(ctx: zmq.Context[Any], steal: str) -> list[list[
                 dealer.set_option(zmq.SNDHWM, 500)
             else:
                 raise AssertionError(steal)
-            with anyio.move_on_after(1.0):
-                await until(lambda: bool(got), within=2.0)
+            with anyio.move_on_after(wait):
+                await until(lambda: bool(got), within=wait + 1)
             tg.cancel_scope.cancel()
     finally:
         dealer.close()
@@ -91,7 +101,7 @@ async def _edge_stolen_scenario(ctx: zmq.Context[Any], steal: str) -> list[list[
 async def test_waiter_woken_when_another_call_consumes_the_edge(
     ctx: zmq.Context[Any], steal: str
 ) -> None:
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         got = await _edge_stolen_scenario(ctx, steal)
     assert got == [[b"reply"]]
 
@@ -106,7 +116,7 @@ async def test_edge_scenario_hangs_without_the_wakeup_step(
     """
     monkeypatch.setattr(AsyncSocket, "_after_call", lambda self: None)
     with anyio.fail_after(10):
-        got = await _edge_stolen_scenario(ctx, "send")
+        got = await _edge_stolen_scenario(ctx, "send", wait=1.0)  # "never" = 1 s here
     assert got == []
 
 
