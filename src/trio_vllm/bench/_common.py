@@ -165,6 +165,7 @@ def direct_engine(*, firehose: int = 0, ready_timeout: float = 120.0) -> Iterato
 def _commit() -> str | None:
     """The git commit of the measured source (``+dirty`` with local changes), if any."""
     here = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(here)  # all of trio_vllm is measured, not only bench/
     try:
         head = subprocess.run(
             ["git", "-C", here, "rev-parse", "--short=12", "HEAD"],
@@ -174,7 +175,7 @@ def _commit() -> str | None:
             check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no", "--", "."],
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no", "--", package],
             capture_output=True,
             text=True,
             timeout=10,
