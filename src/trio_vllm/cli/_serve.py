@@ -117,6 +117,21 @@ def add_parser(commands: Any) -> None:
         default=None,
         help="the reference engine's model when --model is a directory (default echo)",
     )
+    e.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="sampling defaults, as vllm serve's: auto (the model's generation_config.json, "
+        "default), vllm (none), or a directory whose generation_config.json also caps "
+        "max_tokens",
+    )
+    e.add_argument(
+        "--override-generation-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help='overrides the generation config, e.g. \'{"temperature": 0.5}\'',
+    )
     e.add_argument("--vllm-python", metavar="PY", help="python with vLLM (--engine vllm)")
     e.add_argument(
         "--engine-args",
@@ -143,6 +158,19 @@ def add_parser(commands: Any) -> None:
         metavar="S",
         help="seconds to wait for engines (default: VLLM_ENGINE_READY_TIMEOUT_S or 600)",
     )
+
+
+def _json_object(text: str) -> dict[str, object]:
+    import argparse
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _model_plan(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -270,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
                 shutdown_grace=grace,
                 keep_serving_on_engine_death=args.keep_serving_on_engine_death,
                 access_log=args.access_log,
+                generation_config=args.generation_config,
+                override_generation_config=args.override_generation_config,
                 client_options=options,
             )
         )

@@ -23,6 +23,7 @@ from .._exceptions import InvalidRequestError
 from ..protocol import EngineCoreRequest, SamplingParams
 from ..protocol.validation import validate_sampling_params
 from ._chat import render_chat_template
+from ._defaults import SamplingDefaults
 from ._output import OutputProcessor, ParentRequest
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class InputProcessor:
         max_model_len: int,
         vocab_size: int | None = None,
         generation_config: Mapping[str, object] | None = None,
-        sampling_defaults: Mapping[str, object] | None = None,
+        sampling_defaults: Mapping[str, float | int] | None = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ) -> None:
         if max_model_len < 1:
@@ -109,7 +110,11 @@ class InputProcessor:
             vocab_size = tokenizer.max_token_id + 1
         self.vocab_size = vocab_size
         self.generation_config: dict[str, Any] = dict(generation_config or {})
-        self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
+        self.sampling_defaults: SamplingDefaults = (
+            sampling_defaults
+            if isinstance(sampling_defaults, SamplingDefaults)
+            else SamplingDefaults(sampling_defaults)
+        )
         self.max_logprobs = max_logprobs
 
     @classmethod
@@ -256,7 +261,7 @@ class InputProcessor:
         tokenized (``update_from_tokenizer``).
         """
         if params is None:
-            params = SamplingParams(**self.sampling_defaults)
+            params = self.sampling_defaults.sampling_params()
         elif not isinstance(params, SamplingParams):
             raise InvalidRequestError(
                 f"params must be a SamplingParams, not {type(params).__name__}"
