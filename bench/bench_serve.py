@@ -21,7 +21,10 @@ content per request (``len(itls) + 1`` from the detailed results), plus ratios
 trio/vllm and trio/vllm-rs.
 
     python bench/bench_serve.py --vllm-python PY [--concurrency 1,16,64,256]
-        [--servers trio,vllm,vllm-rs] [--json OUT]
+        [--servers trio,vllm,vllm-rs] [--baseline REV] [--json OUT]
+
+``--baseline REV`` adds ``trio-base``: ``trio-vllm serve`` from that revision's
+``src/`` (``git archive``), on the same engine build, for an A/B in one run.
 
 Absolute figures on a shared 2-core machine are noise; the ratios of one run are the
 result.
@@ -102,14 +105,19 @@ def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float = 900
 class _Setting:
     """One frontend with our reference engine connected as its headless engine."""
 
-    def __init__(self, name: str, vllm_python: str, rs_path: Path, logdir: Path) -> None:
+    def __init__(
+        self, name: str, vllm_python: str, rs_path: Path, logdir: Path,
+        trio_src: Path | None = None,
+    ) -> None:  # fmt: skip
         self.name = name
         self.port = _free_port()
         self.rpc_port = _free_port()
         self.log = open(logdir / f"{name}.log", "wb")  # noqa: SIM115
         env = {**os.environ}
         pin = ["taskset", "-c", FRONTEND_CORE]
-        if name == "trio":
+        if name.startswith("trio"):
+            if trio_src is not None:  # the A/B baseline: another source tree
+                env["PYTHONPATH"] = str(trio_src)
             command = [
                 *pin, sys.executable, "-m", "trio_vllm.cli", "serve", "--model", str(MODEL),
                 "--served-model-name", SERVED, "--port", str(self.port),
@@ -207,6 +215,9 @@ def main() -> int:
                         help="num-prompts = max(200, this x concurrency)")
     parser.add_argument("--rs-path", type=Path, default=RS_DEFAULT)
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also run trio-vllm serve from this git revision's src/ as "
+                             "server trio-base (an A/B in one run)")  # fmt: skip
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     backends = args.backends.split(",")
@@ -223,8 +234,27 @@ def main() -> int:
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         outdir = Path(tmp)
+        base_src: Path | None = None
+        if args.baseline:
+            base = outdir / "baseline"
+            base.mkdir()
+            archive = subprocess.run(
+                ["git", "-C", str(REPO), "archive", args.baseline, "src"],
+                check=True, capture_output=True,
+            ).stdout  # fmt: skip
+            subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+            base_src = base / "src"
+            servers.insert(servers.index("trio") + 1 if "trio" in servers else 0, "trio-base")
+            results["baseline"] = args.baseline
+        results["commit"] = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=False,
+        ).stdout.strip()  # fmt: skip
         for server in servers:
-            setting = _Setting(server, args.vllm_python, args.rs_path, outdir)
+            setting = _Setting(
+                server, args.vllm_python, args.rs_path, outdir,
+                base_src if server == "trio-base" else None,
+            )  # fmt: skip
             try:
                 for backend in backends:
                     for c in concurrencies:
@@ -247,13 +277,15 @@ def _table(results: dict[str, Any], servers: list[str], backends: list[str],
     runs = results["runs"]
     lines = [
         "| backend | conc | server | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms "
-        "| CPU ms/req | chunks/req | req/s vs vllm | CPU vs vllm | req/s vs vllm-rs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| CPU ms/req | chunks/req | req/s vs vllm | CPU vs vllm | req/s vs vllm-rs "
+        "| req/s vs trio-base | CPU vs trio-base |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for backend in backends:
         for c in concurrencies:
             base = runs.get(f"vllm/{backend}/{c}")
             rs = runs.get(f"vllm-rs/{backend}/{c}")
+            tb = runs.get(f"trio-base/{backend}/{c}")
             for server in servers:
                 r = runs.get(f"{server}/{backend}/{c}")
                 if r is None:
@@ -261,12 +293,15 @@ def _table(results: dict[str, Any], servers: list[str], backends: list[str],
                 vs = f"{r['req_s'] / base['req_s']:.2f}" if base else "-"
                 cpu = f"{r['cpu_s_per_req'] / base['cpu_s_per_req']:.2f}" if base else "-"
                 vrs = f"{r['req_s'] / rs['req_s']:.2f}" if rs else "-"
+                vtb = f"{r['req_s'] / tb['req_s']:.2f}" if tb else "-"
+                ctb = f"{r['cpu_s_per_req'] / tb['cpu_s_per_req']:.2f}" if tb else "-"
                 chunks = f"{r['chunks_per_req']:.1f}" if r["chunks_per_req"] else "-"
                 lines.append(
                     f"| {backend} | {c} | {server} | {r['req_s']:.1f} | {r['out_tok_s']:.0f} "
                     f"| {r['ttft_p50_ms']:.1f}/{r['ttft_p99_ms']:.1f} "
                     f"| {r['itl_p50_ms']:.2f}/{r['itl_p99_ms']:.2f} "
-                    f"| {r['cpu_s_per_req'] * 1000:.2f} | {chunks} | {vs} | {cpu} | {vrs} |"
+                    f"| {r['cpu_s_per_req'] * 1000:.2f} | {chunks} | {vs} | {cpu} | {vrs} "
+                    f"| {vtb} | {ctb} |"
                 )
     return "\n".join(lines)
 

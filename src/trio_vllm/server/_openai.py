@@ -260,6 +260,7 @@ def _sampling_params(
         logit_bias=logit_bias,
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words or None,
+        skip_clone=True,  # built for this request only (vLLM's OpenAI layer does the same)
     )
 
 
