@@ -21,7 +21,10 @@ content per request (``len(itls) + 1`` from the detailed results), plus ratios
 trio/vllm and trio/vllm-rs.
 
     python bench/bench_serve.py --vllm-python PY [--concurrency 1,16,64,256]
-        [--servers trio,vllm,vllm-rs] [--json OUT]
+        [--servers trio,vllm,vllm-rs] [--baseline REV] [--json OUT]
+
+``--baseline REV`` adds ``trio-base``: ``trio-vllm serve`` from that revision's
+``src/`` (``git archive``), on the same engine build, for an A/B in one run.
 
 Absolute figures on a shared 2-core machine are noise; the ratios of one run are the
 result.
@@ -48,6 +51,12 @@ VLLM_CLI = SHARED / "vllm_cli.py"
 RS_DEFAULT = Path.home() / ".cache" / "vllm-rs-0.32.0" / "vllm-rs"
 SERVED = "tiny"
 FRONTEND_CORE = "0"
+# --setting stock-engine: a stock vLLM engine core on the tiny model (dummy weights).
+STOCK_ENGINE_ARGS = [
+    "--load-format", "dummy", "--dtype", "float32", "--max-model-len", "512",
+    "--enforce-eager", "--max-num-seqs", "256", "--disable-log-stats",
+]  # fmt: skip
+STOCK_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def _free_port() -> int:
@@ -83,6 +92,41 @@ def _tree_cpu(pid: int, exclude: set[int]) -> float:
     return total
 
 
+def _own_cpu(pid: int) -> float:
+    """CPU seconds of one process (all its threads), without its children."""
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / tick
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+                found += children
+                stack += children
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
+
+
 def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float = 900) -> None:
     import httpx
 
@@ -102,14 +146,25 @@ def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float = 900
 class _Setting:
     """One frontend with our reference engine connected as its headless engine."""
 
-    def __init__(self, name: str, vllm_python: str, rs_path: Path, logdir: Path) -> None:
+    def __init__(
+        self, name: str, vllm_python: str, rs_path: Path, logdir: Path,
+        trio_src: Path | None = None, stock_engine: bool = False,
+    ) -> None:  # fmt: skip
         self.name = name
         self.port = _free_port()
         self.rpc_port = _free_port()
         self.log = open(logdir / f"{name}.log", "wb")  # noqa: SIM115
+        self.stock = stock_engine
+        self.engine: subprocess.Popen[bytes] | None = None
+        self.frontend_pids: list[int] = []
         env = {**os.environ}
         pin = ["taskset", "-c", FRONTEND_CORE]
-        if name == "trio":
+        if trio_src is not None:  # the A/B baseline: another source tree
+            env["PYTHONPATH"] = str(trio_src)
+        if stock_engine:
+            self._start_stock(name, vllm_python, rs_path, env, pin)
+            return
+        if name.startswith("trio"):
             command = [
                 *pin, sys.executable, "-m", "trio_vllm.cli", "serve", "--model", str(MODEL),
                 "--served-model-name", SERVED, "--port", str(self.port),
@@ -142,14 +197,62 @@ class _Setting:
         self.engine = subprocess.Popen(
             engine, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        _wait_healthy(self.port, self.frontend)
+        self._wait_up()
+
+    def _wait_up(self) -> None:
+        try:
+            _wait_healthy(self.port, self.frontend)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_stock(
+        self, name: str, vllm_python: str, rs_path: Path, env: dict[str, str], pin: list[str]
+    ) -> None:
+        """The frontend spawns a stock vLLM engine core on the tiny model (dummy weights);
+        once up, the engine's processes move to the other cores."""
+        env.update(STOCK_ENV)
+        if name.startswith("trio"):
+            command = [
+                *pin, sys.executable, "-m", "trio_vllm.cli", "serve", "--engine", "vllm",
+                "--vllm-python", vllm_python, "--model", str(MODEL), "--served-model-name",
+                SERVED, "--port", str(self.port), "--ready-timeout", "900",
+                f"--engine-args={' '.join(STOCK_ENGINE_ARGS)}",
+            ]  # fmt: skip
+        else:
+            command = [
+                *pin, vllm_python, str(VLLM_CLI), "serve", str(MODEL), "--served-model-name",
+                SERVED, "--host", "127.0.0.1", "--port", str(self.port), *STOCK_ENGINE_ARGS,
+            ]  # fmt: skip
+            if name == "vllm-rs":
+                env["VLLM_USE_RUST_FRONTEND"] = "1"
+                env["VLLM_RUST_FRONTEND_PATH"] = str(rs_path)
+        self.frontend = subprocess.Popen(
+            command, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        self._wait_up()
+        # The API server is the launched process; vllm-rs's launcher runs the Rust
+        # frontend as a child named vllm-rs. Everything else below is the engine.
+        self.frontend_pids = [self.frontend.pid]
+        for pid in _descendants(self.frontend.pid):
+            if _comm(pid).startswith("vllm-rs"):
+                self.frontend_pids.append(pid)
+                continue
+            subprocess.run(["taskset", "-a", "-p", "-c", _other_cores(), str(pid)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
 
     def cpu(self) -> float:
+        if self.stock:  # the API server's own process(es); the rest is the engine
+            return sum(_own_cpu(pid) for pid in self.frontend_pids)
+        assert self.engine is not None
         return _tree_cpu(self.frontend.pid, {self.engine.pid})
 
     def close(self) -> None:
         # The frontend first (an engine stopped first is an engine death to it).
         for proc in (self.frontend, self.engine):
+            if proc is None:
+                continue
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -205,8 +308,18 @@ def main() -> int:
     parser.add_argument("--servers", default="trio,vllm,vllm-rs")
     parser.add_argument("--prompts-per-concurrency", type=int, default=4,
                         help="num-prompts = max(200, this x concurrency)")
+    parser.add_argument("--min-prompts", type=int, default=200,
+                        help="at least this many prompts per case (default 200)")  # fmt: skip
     parser.add_argument("--rs-path", type=Path, default=RS_DEFAULT)
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--setting", choices=("frontend-bound", "stock-engine"),
+                        default="frontend-bound",
+                        help="frontend-bound: our reference engine as every frontend's "
+                             "headless engine; stock-engine: each frontend spawns a stock "
+                             "vLLM engine core on the tiny model")  # fmt: skip
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also run trio-vllm serve from this git revision's src/ as "
+                             "server trio-base (an A/B in one run)")  # fmt: skip
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     backends = args.backends.split(",")
@@ -217,18 +330,50 @@ def main() -> int:
     results: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "load_avg_start": os.getloadavg(),
-        "setting": "frontend-bound: reference engine (echo, max-num-seqs 256) as the "
-                   "headless engine of each frontend; random 32 in / 64 out, ignore-eos",
+        "setting": (
+            "frontend-bound: reference engine (echo, max-num-seqs 256) as the headless "
+            "engine of each frontend"
+            if args.setting == "frontend-bound"
+            else "stock-engine: each frontend spawns a stock vLLM engine core on the tiny "
+            "model (dummy weights, max-num-seqs 256), moved to the other cores"
+        ) + "; random 32 in / 64 out, ignore-eos",
         "runs": {},
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         outdir = Path(tmp)
-        for server in servers:
-            setting = _Setting(server, args.vllm_python, args.rs_path, outdir)
+        base_src: Path | None = None
+        if args.baseline:
+            base = outdir / "baseline"
+            base.mkdir()
+            archive = subprocess.run(
+                ["git", "-C", str(REPO), "archive", args.baseline, "src"],
+                check=True, capture_output=True,
+            ).stdout  # fmt: skip
+            subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+            base_src = base / "src"
+            servers.insert(servers.index("trio") + 1 if "trio" in servers else 0, "trio-base")
+            results["baseline"] = args.baseline
+        results["commit"] = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=False,
+        ).stdout.strip()  # fmt: skip
+        for server in list(servers):
+            try:
+                setting = _Setting(
+                    server, args.vllm_python, args.rs_path, outdir,
+                    base_src if server == "trio-base" else None,
+                    stock_engine=args.setting == "stock-engine",
+                )  # fmt: skip
+            except RuntimeError as exc:  # a frontend that does not start: report, go on
+                sys.stderr.write(f"{server} did not start: {exc}\n")
+                sys.stderr.write((outdir / f"{server}.log").read_text()[-3000:])
+                results["runs"][f"{server}/failed"] = str(exc)
+                servers.remove(server)
+                continue
             try:
                 for backend in backends:
                     for c in concurrencies:
-                        prompts = max(200, args.prompts_per_concurrency * c)
+                        prompts = max(args.min_prompts, args.prompts_per_concurrency * c)
                         r = _bench(args.vllm_python, setting, backend, c, prompts, outdir)
                         results["runs"][f"{server}/{backend}/{c}"] = r
                         print(server, backend, c, json.dumps(r), flush=True)
@@ -247,13 +392,15 @@ def _table(results: dict[str, Any], servers: list[str], backends: list[str],
     runs = results["runs"]
     lines = [
         "| backend | conc | server | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms "
-        "| CPU ms/req | chunks/req | req/s vs vllm | CPU vs vllm | req/s vs vllm-rs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| CPU ms/req | chunks/req | req/s vs vllm | CPU vs vllm | req/s vs vllm-rs "
+        "| req/s vs trio-base | CPU vs trio-base |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for backend in backends:
         for c in concurrencies:
             base = runs.get(f"vllm/{backend}/{c}")
             rs = runs.get(f"vllm-rs/{backend}/{c}")
+            tb = runs.get(f"trio-base/{backend}/{c}")
             for server in servers:
                 r = runs.get(f"{server}/{backend}/{c}")
                 if r is None:
@@ -261,12 +408,15 @@ def _table(results: dict[str, Any], servers: list[str], backends: list[str],
                 vs = f"{r['req_s'] / base['req_s']:.2f}" if base else "-"
                 cpu = f"{r['cpu_s_per_req'] / base['cpu_s_per_req']:.2f}" if base else "-"
                 vrs = f"{r['req_s'] / rs['req_s']:.2f}" if rs else "-"
+                vtb = f"{r['req_s'] / tb['req_s']:.2f}" if tb else "-"
+                ctb = f"{r['cpu_s_per_req'] / tb['cpu_s_per_req']:.2f}" if tb else "-"
                 chunks = f"{r['chunks_per_req']:.1f}" if r["chunks_per_req"] else "-"
                 lines.append(
                     f"| {backend} | {c} | {server} | {r['req_s']:.1f} | {r['out_tok_s']:.0f} "
                     f"| {r['ttft_p50_ms']:.1f}/{r['ttft_p99_ms']:.1f} "
                     f"| {r['itl_p50_ms']:.2f}/{r['itl_p99_ms']:.2f} "
-                    f"| {r['cpu_s_per_req'] * 1000:.2f} | {chunks} | {vs} | {cpu} | {vrs} |"
+                    f"| {r['cpu_s_per_req'] * 1000:.2f} | {chunks} | {vs} | {cpu} | {vrs} "
+                    f"| {vtb} | {ctb} |"
                 )
     return "\n".join(lines)
 

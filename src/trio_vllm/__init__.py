@@ -81,6 +81,7 @@ if TYPE_CHECKING:
     from .text import Logprob as Logprob
     from .text import ModelFiles as ModelFiles
     from .text import RequestOutput as RequestOutput
+    from .text import SamplingDefaults as SamplingDefaults
     from .text import TextPrompt as TextPrompt
     from .text import Tokenizer as Tokenizer
     from .text import TokensPrompt as TokensPrompt
@@ -138,6 +139,7 @@ _LAZY: dict[str, str] = {
     "Logprob": ".text",
     "ModelFiles": ".text",
     "RequestOutput": ".text",
+    "SamplingDefaults": ".text",
     "TextPrompt": ".text",
     "Tokenizer": ".text",
     "TokensPrompt": ".text",

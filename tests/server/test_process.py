@@ -21,6 +21,7 @@ from ._util import raw_request, sse_events
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
+    from pathlib import Path
 
     from anyio.abc import Process
 
@@ -236,12 +237,39 @@ async def test_api_key_from_the_environment(anyio_backend: str) -> None:
 
 
 async def test_usage_errors_exit_2(anyio_backend: str) -> None:
-    for args in (["--engine", "vllm"], ["--model", "/no/such/dir"], ["--engines", "0"]):
+    for args in (["--engine", "vllm"], ["--model", "/no/such/dir"], ["--engines", "0"],
+                 ["--override-generation-config", "[1]"]):  # fmt: skip
         done = await anyio.run_process(
             [sys.executable, "-m", "trio_vllm.cli", "serve", *args], check=False
         )
         assert done.returncode == 2, (args, done.stderr)
         assert b"trio-vllm serve: error:" in done.stderr
+
+
+async def test_generation_config_options(anyio_backend: str, tmp_path: Path) -> None:
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text('{"max_new_tokens": 2, "temperature": 0}')
+    args = ["--generation-config", str(folder), "--override-generation-config",
+            '{"temperature": 0.5}']  # fmt: skip
+    async with cli_server(*args) as server:
+        body = b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 9, "n": 2}'
+        status, _, data = await raw_request(
+            server.port, "POST", "/v1/chat/completions", body,
+            {"content-type": "application/json"},
+        )  # fmt: skip
+        # the directory caps max_tokens; the override's temperature makes n=2 valid
+        assert status == 200, data
+        assert json.loads(data)["usage"]["completion_tokens"] == 4
+        server.process.send_signal(signal.SIGTERM)
+        with anyio.fail_after(30):
+            assert await server.process.wait() == 0
+    done = await anyio.run_process(
+        [sys.executable, "-m", "trio_vllm.cli", "serve", "--generation-config",
+         str(tmp_path / "missing")], check=False,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert b"generation config directory" in done.stderr
 
 
 async def test_connect_to_an_engine_started_elsewhere(anyio_backend: str) -> None:

@@ -104,6 +104,23 @@ def test_caller_params_are_not_changed(inp: InputProcessor) -> None:
     assert params._all_stop_token_ids == {9}
 
 
+def test_skip_clone_copies_shallowly_and_changes_nothing_of_the_callers(
+    inp: InputProcessor,
+) -> None:
+    stop = ["zz"]
+    params = SamplingParams(max_tokens=None, stop=stop, stop_token_ids=[9], skip_clone=True)
+    p = inp.process_inputs("r", [5], params).sampling_params
+    assert p is not params
+    assert p.stop is stop  # shared, as vLLM's clone() shares it with skip_clone
+    assert (p._all_stop_token_ids, sorted(p.stop_token_ids or ())) == ({2, 4, 9}, [4, 9])
+    assert params.max_tokens is None
+    assert params.stop_token_ids == [9]
+    assert params._all_stop_token_ids == {9}
+    deep = inp.process_inputs("s", [5], SamplingParams(stop=stop)).sampling_params
+    assert deep.stop == stop
+    assert deep.stop is not stop
+
+
 def test_no_params_means_generation_config_defaults(
     tiny: Tokenizer, tiny_files: ModelFiles
 ) -> None:

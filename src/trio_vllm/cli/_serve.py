@@ -90,7 +90,7 @@ def add_parser(commands: Any) -> None:
         "exiting with status 1",
     )
     h.add_argument("--access-log", action="store_true", help="log every request (hypercorn)")
-    add_engine_arguments(
+    e = add_engine_arguments(
         p,
         model_help="the model directory (tokenizer, chat template, generation config); "
         "reference engine: also echo (default) or tiny with its own byte-level tokenizer; "
@@ -98,6 +98,34 @@ def add_parser(commands: Any) -> None:
         engine_args_help="more engine arguments as one string: `vllm serve`'s with --engine "
         'vllm, the reference engine\'s otherwise (e.g. "--max-num-seqs=256")',
     )
+    e.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="sampling defaults, as vllm serve's: auto (the model's generation_config.json, "
+        "default), vllm (none), or a directory whose generation_config.json also caps "
+        "max_tokens",
+    )
+    e.add_argument(
+        "--override-generation-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help='overrides the generation config, e.g. \'{"temperature": 0.5}\'',
+    )
+
+
+def _json_object(text: str) -> dict[str, object]:
+    import argparse
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _engine_plan(args: argparse.Namespace) -> EnginePlan:
@@ -171,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
                 shutdown_grace=grace,
                 keep_serving_on_engine_death=args.keep_serving_on_engine_death,
                 access_log=args.access_log,
+                generation_config=args.generation_config,
+                override_generation_config=args.override_generation_config,
                 client_options=options,
             )
         )

@@ -10,6 +10,7 @@ the per-request ones a ``generate`` block owns for ``n > 1``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -25,9 +26,19 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from ..client import EngineCoreClient, EngineSource
-    from ..text import ChatMessage, ModelFiles, ProcessedRequest, Prompt, RequestOutput, Tokenizer
+    from ..text import (
+        ChatMessage,
+        ModelFiles,
+        ProcessedRequest,
+        Prompt,
+        RequestOutput,
+        SamplingDefaults,
+        Tokenizer,
+    )
 
 __all__ = ["LLM", "open_llm"]
+
+logger = logging.getLogger("trio_vllm.llm")
 
 
 class _Generate:
@@ -70,6 +81,8 @@ class LLM:
         model_name: the served model name (default: the model directory's name).
         max_model_len: the context length the engines reported.
         client: the underlying `EngineCoreClient`.
+        sampling_defaults: the model's `SamplingDefaults` (vLLM's
+            ``--generation-config``), used when a call gives no params.
     """
 
     def __init__(
@@ -80,11 +93,17 @@ class LLM:
         served_model_name: str | None = None,
         files: ModelFiles | None = None,
         tokenizer: Tokenizer | None = None,
+        generation_config: str | os.PathLike[str] = "auto",
+        override_generation_config: Mapping[str, object] | None = None,
     ) -> None:
         from ..text import InputProcessor, ModelFiles, OutputProcessor, random_uuid
 
         if files is None:
-            files = ModelFiles(model)
+            files = ModelFiles(
+                model,
+                generation_config=generation_config,
+                override_generation_config=override_generation_config,
+            )
         if tokenizer is None:
             tokenizer = files.load_tokenizer()
         max_model_len = client.max_model_len
@@ -95,6 +114,7 @@ class LLM:
         self.tokenizer = tokenizer
         self.model_name = served_model_name or _default_name(model)
         self.max_model_len: int = max_model_len
+        self.sampling_defaults: SamplingDefaults = files.sampling_defaults()
         self._inputs = InputProcessor.from_model_files(
             files, tokenizer, max_model_len=max_model_len
         )
@@ -119,6 +139,11 @@ class LLM:
     def live_request_ids(self) -> list[str]:
         """The external ids of the requests in flight."""
         return list(self._streams)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The params a call without ``params`` uses (vLLM's method of that name): the
+        model's sampling defaults over ``SamplingParams()``; a fresh object each call."""
+        return self.sampling_defaults.sampling_params()
 
     def _stream(self, processed: ProcessedRequest) -> RequestOutputStream:
         return RequestOutputStream(self.client, self._outputs, processed, self._unregister)
@@ -178,7 +203,7 @@ class LLM:
         ``params.output_kind`` is ignored (the request is sent as FINAL_ONLY).
         Cancellation aborts the request on the engine; errors as `generate`.
         """
-        params = _final_only(params)
+        params = self._final_only(params)
         async with self.generate(prompt, params, request_id=request_id) as stream:
             return await _last_output(stream)
 
@@ -218,7 +243,7 @@ class LLM:
         chat_template_kwargs: Mapping[str, object] | None = None,
     ) -> RequestOutput:
         """`chat`, returning the final output (as `generate_final`)."""
-        params = _final_only(params)
+        params = self._final_only(params)
         async with self.chat(
             messages,
             params,
@@ -246,6 +271,11 @@ class LLM:
             chat_template_kwargs=chat_template_kwargs,
         )
 
+    def _final_only(self, params: SamplingParams | None) -> SamplingParams:
+        if params is None:
+            return self.sampling_defaults.sampling_params(output_kind=RequestOutputKind.FINAL_ONLY)
+        return msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+
     async def abort(self, request_id: str) -> None:
         """Abort every request in flight under the external id ``request_id``.
 
@@ -268,7 +298,11 @@ def _default_name(model: str | os.PathLike[str]) -> str:
     return os.path.basename(name) if os.path.isdir(name) else name
 
 
+
+
 def _final_only(params: SamplingParams | None) -> SamplingParams:
+    # SyncLLM's (llm/_sync.py): without params it skips the model's sampling defaults;
+    # LLM._final_only applies them.
     if params is None:
         return SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)
     return msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -287,6 +321,8 @@ async def open_llm(
     *,
     model: str | os.PathLike[str] | None = None,
     served_model_name: str | None = None,
+    generation_config: str | os.PathLike[str] = "auto",
+    override_generation_config: Mapping[str, object] | None = None,
     **client_options: Any,
 ) -> AsyncIterator[LLM]:
     """Load ``model``'s tokenizer, start the engines, and yield an `LLM`.
@@ -294,6 +330,10 @@ async def open_llm(
     ``model`` is a local model directory (or a hub name already in the local cache);
     ``None`` means the engines' own: `trio_vllm.reference_engine.MODEL_DIR` for
     `ReferenceEngines`, the ``model`` of `VllmEngines`.
+    ``generation_config`` and ``override_generation_config`` are vLLM's
+    ``--generation-config`` (``"auto"``: the model's ``generation_config.json`` gives the
+    sampling defaults; ``"vllm"``: none; or a directory) and
+    ``--override-generation-config`` (see `ModelFiles`).
     ``client_options`` are `open_client`'s keywords.
 
     The tokenizer is loaded (in a worker thread) before any engine starts, so a bad
@@ -307,10 +347,22 @@ async def open_llm(
         model = _engines_model(engines)
 
     def load() -> tuple[ModelFiles, Tokenizer]:
-        files = ModelFiles(model)
+        files = ModelFiles(
+            model,
+            generation_config=generation_config,
+            override_generation_config=override_generation_config,
+        )
         return files, files.load_tokenizer()
 
     files, tokenizer = await anyio.to_thread.run_sync(load)
+    defaults = files.sampling_defaults()
+    if defaults and defaults.source != "vllm":
+        logger.warning(
+            "Default sampling parameters are overridden by %s: %s (pass "
+            "generation_config='vllm' / --generation-config vllm for vLLM's own)",
+            "the model's generation_config.json" if defaults.source == "auto" else defaults.source,
+            dict(defaults),
+        )
     async with open_client(engines, **client_options) as client:
         yield LLM(
             client,

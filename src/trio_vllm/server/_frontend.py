@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
     from .._exceptions import EngineDeadError
     from ..protocol import SamplingParams
-    from ..text import ChatMessage, Prompt, RequestOutput
+    from ..text import ChatMessage, Prompt, RequestOutput, SamplingDefaults
 
 __all__ = ["EngineClientLike", "TextFrontend", "TokenizerLike"]
 
@@ -50,6 +50,9 @@ class TextFrontend(Protocol):
 
     @property
     def client(self) -> EngineClientLike: ...
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults: ...
 
     @property
     def dead(self) -> bool: ...

@@ -47,7 +47,7 @@ from ._schemas import (
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from ..text import CompletionOutput, Logprob, RequestOutput, TokensPrompt
+    from ..text import CompletionOutput, Logprob, RequestOutput, SamplingDefaults, TokensPrompt
     from ._frontend import TextFrontend, TokenizerLike
 
 __all__ = [
@@ -60,6 +60,7 @@ __all__ = [
 
 DONE = b"data: [DONE]\n\n"
 _LOGPROB_FLOOR = -9999.0  # vLLM clamps -inf to this (JSON has no infinity)
+_COMPLETION_MAX_TOKENS = 16  # CompletionRequest.max_tokens' default
 _DEFAULT_MAX_CHARS_PER_TOKEN = 64  # bound on prompt characters per allowed token
 
 
@@ -173,10 +174,14 @@ def _common_checks(
 
 
 def _max_tokens(
-    max_model_len: int, requested: int | None, prompt_len: int, param: str
+    max_model_len: int,
+    requested: int | None,
+    prompt_len: int,
+    param: str,
+    defaults: SamplingDefaults,
 ) -> int:
-    """vLLM's ``TokenizeParams`` check plus ``get_max_tokens``: the request's limit
-    capped by the room the prompt leaves in the context."""
+    """vLLM's ``TokenizeParams`` check plus ``get_max_tokens``: the request's limit (else
+    the model's default) capped by the room the prompt leaves and the server's cap."""
     if requested is not None:
         if requested > max_model_len:
             raise HTTPError(
@@ -186,8 +191,7 @@ def _max_tokens(
             )
         if requested < 1 and not (param == "max_tokens" and requested == 0):
             raise HTTPError(f"{param} must be at least 1, got {requested}.", param=param)
-    room = max_model_len - prompt_len
-    return room if requested is None else min(room, requested)
+    return defaults.max_tokens(requested, max_model_len - prompt_len)
 
 
 def _check_prompt_len(max_model_len: int, count: int) -> None:
@@ -217,12 +221,14 @@ def _check_prompt_chars(max_model_len: int, text: str, tokenizer: TokenizerLike)
 
 def _sampling_params(
     req: CompletionRequest | ChatCompletionRequest,
+    defaults: SamplingDefaults,
     *,
     n: int,
     max_tokens: int,
     logprobs: int | None,
 ) -> SamplingParams:
-    # vLLM's to_sampling_params: the request's value, else the OpenAI default.
+    # vLLM's to_sampling_params: the request's value, else the model's default (its
+    # generation config), else the OpenAI default.
     logit_bias: dict[int, float] | None = None
     if req.logit_bias:
         try:
@@ -230,15 +236,16 @@ def _sampling_params(
         except ValueError:
             raise HTTPError("logit_bias keys must be token ids.", param="logit_bias") from None
     stop: list[str] = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+    value = defaults.value
     return SamplingParams(
         n=n,
-        presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
-        frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
+        presence_penalty=value("presence_penalty", req.presence_penalty),
+        frequency_penalty=value("frequency_penalty", req.frequency_penalty),
+        repetition_penalty=value("repetition_penalty", req.repetition_penalty),
+        temperature=value("temperature", req.temperature),
+        top_p=value("top_p", req.top_p),
+        top_k=int(value("top_k", req.top_k)),
+        min_p=value("min_p", req.min_p),
         seed=req.seed,
         stop=stop,
         stop_token_ids=list(req.stop_token_ids or ()),
@@ -253,6 +260,7 @@ def _sampling_params(
         logit_bias=logit_bias,
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words or None,
+        skip_clone=True,  # built for this request only (vLLM's OpenAI layer does the same)
     )
 
 
@@ -310,10 +318,14 @@ def plan_completion(
         )
     max_model_len = llm.max_model_len
     tokenizer = llm.tokenizer
+    defaults = llm.sampling_defaults
     prompts: list[TokensPrompt] = []
     params: list[SamplingParams] = []
     echo_texts: list[str] = []
     echo_only = bool(req.echo) and req.max_tokens == 0
+    # vLLM's normalize_null_max_tokens: an explicit null is the default 16, so the
+    # generation config's max_new_tokens never stands in for it (a cap still applies).
+    requested = _COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     for item in items:
         if isinstance(item, str):
             _check_prompt_chars(max_model_len, item, tokenizer)
@@ -327,7 +339,7 @@ def plan_completion(
             ids = item
             text = tokenizer.decode(item, skip_special_tokens=False) if req.echo else ""
         _check_prompt_len(max_model_len, len(ids))
-        max_tokens = _max_tokens(max_model_len, req.max_tokens, len(ids), "max_tokens")
+        max_tokens = _max_tokens(max_model_len, requested, len(ids), "max_tokens", defaults)
         if req.max_tokens == 0 and not echo_only:
             raise HTTPError("max_tokens must be at least 1, got 0.", param="max_tokens")
         if max_tokens == 0 and not echo_only:
@@ -335,7 +347,11 @@ def plan_completion(
         prompts.append({"prompt_token_ids": ids, "prompt": text})
         params.append(
             _sampling_params(
-                req, n=req.n, max_tokens=1 if echo_only else max_tokens, logprobs=req.logprobs
+                req,
+                defaults,
+                n=req.n,
+                max_tokens=1 if echo_only else max_tokens,
+                logprobs=req.logprobs,
             )
         )
         echo_texts.append(text)
@@ -415,11 +431,12 @@ def plan_chat(
     param = "max_tokens"
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
-    max_tokens = _max_tokens(max_model_len, requested, len(ids), param)
+    defaults = llm.sampling_defaults
+    max_tokens = _max_tokens(max_model_len, requested, len(ids), param, defaults)
     if max_tokens == 0:
         _check_prompt_len(max_model_len - 1, len(ids))
     logprobs = top if req.logprobs else None
-    params = _sampling_params(req, n=n, max_tokens=max_tokens, logprobs=logprobs)
+    params = _sampling_params(req, defaults, n=n, max_tokens=max_tokens, logprobs=logprobs)
     request_id = f"chatcmpl-{base_request_id(header_request_id, req.request_id)}"
     include_usage, continuous = _usage_flags(req)
     role = "assistant" if req.add_generation_prompt else str(req.messages[-1]["role"])

@@ -39,6 +39,8 @@ async def run_openai_server(
     keep_serving_on_engine_death: bool = False,
     handle_signals: bool = True,
     access_log: bool = False,
+    generation_config: str | os.PathLike[str] = "auto",
+    override_generation_config: Mapping[str, object] | None = None,
     client_options: Mapping[str, Any] | None = None,
     stop: anyio.Event | None = None,
     task_status: TaskStatus[OpenAIServer] = anyio.TASK_STATUS_IGNORED,
@@ -52,7 +54,9 @@ async def run_openai_server(
     down the same way, so a supervisor restarts it; with ``keep_serving_on_engine_death``
     it keeps serving instead (``/health`` 503, every generation request 503) until asked
     to stop. ``task_status.started(app)`` hands out the app once it listens
-    (``app.port`` is the bound port).
+    (``app.port`` is the bound port). ``generation_config`` and
+    ``override_generation_config`` are `open_llm`'s (vLLM's ``--generation-config`` and
+    ``--override-generation-config``).
 
     Raises:
         EngineStartupError: the engines did not start.
@@ -93,6 +97,8 @@ async def run_openai_server(
             engines,
             model=model,
             served_model_name=served_model_names[0] if served_model_names else None,
+            generation_config=generation_config,
+            override_generation_config=override_generation_config,
             **dict(client_options or {}),
         ) as llm:
             frontend: TextFrontend = llm

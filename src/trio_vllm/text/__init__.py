@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from ._chat import normalize_messages as normalize_messages
 from ._chat import render_chat_template as render_chat_template
+from ._defaults import OPENAI_SAMPLING_DEFAULTS as OPENAI_SAMPLING_DEFAULTS
+from ._defaults import SamplingDefaults as SamplingDefaults
 from ._detokenizer import FastIncrementalDetokenizer as FastIncrementalDetokenizer
 from ._detokenizer import IncrementalDetokenizer as IncrementalDetokenizer
 from ._detokenizer import SlowIncrementalDetokenizer as SlowIncrementalDetokenizer
@@ -41,6 +43,7 @@ from ._types import TokensPrompt as TokensPrompt
 
 __all__ = [
     "DEFAULT_MAX_LOGPROBS",
+    "OPENAI_SAMPLING_DEFAULTS",
     "ChatMessage",
     "CompletionOutput",
     "FastIncrementalDetokenizer",
@@ -58,6 +61,7 @@ __all__ = [
     "RequestOutput",
     "RequestState",
     "SampleLogprobs",
+    "SamplingDefaults",
     "SlowIncrementalDetokenizer",
     "TextPrompt",
     "Tokenizer",

@@ -23,6 +23,7 @@ from .._exceptions import InvalidRequestError
 from ..protocol import EngineCoreRequest, SamplingParams
 from ..protocol.validation import validate_sampling_params
 from ._chat import render_chat_template
+from ._defaults import SamplingDefaults
 from ._output import OutputProcessor, ParentRequest
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class InputProcessor:
         max_model_len: int,
         vocab_size: int | None = None,
         generation_config: Mapping[str, object] | None = None,
-        sampling_defaults: Mapping[str, object] | None = None,
+        sampling_defaults: Mapping[str, float | int] | None = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ) -> None:
         if max_model_len < 1:
@@ -109,7 +110,11 @@ class InputProcessor:
             vocab_size = tokenizer.max_token_id + 1
         self.vocab_size = vocab_size
         self.generation_config: dict[str, Any] = dict(generation_config or {})
-        self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
+        self.sampling_defaults: SamplingDefaults = (
+            sampling_defaults
+            if isinstance(sampling_defaults, SamplingDefaults)
+            else SamplingDefaults(sampling_defaults)
+        )
         self.max_logprobs = max_logprobs
 
     @classmethod
@@ -248,7 +253,9 @@ class InputProcessor:
     def prepare_params(self, params: SamplingParams | None, prompt_len: int) -> SamplingParams:
         """A validated copy of ``params`` with vLLM's frontend duties done.
 
-        ``None`` means the model's defaults. ``max_tokens=None`` becomes
+        ``None`` means the model's defaults. With ``skip_clone`` (as vLLM's OpenAI server
+        sets it) the copy is shallow: containers the caller changes later are shared,
+        but nothing here changes the caller's. ``max_tokens=None`` becomes
         ``max_model_len - prompt_len``; the tokenizer's EOS becomes ``_eos_token_id``
         (unless ``ignore_eos``) and joins ``_all_stop_token_ids``; the generation config's
         other EOS ids join ``_all_stop_token_ids`` and (unless ``ignore_eos``)
@@ -256,13 +263,21 @@ class InputProcessor:
         tokenized (``update_from_tokenizer``).
         """
         if params is None:
-            params = SamplingParams(**self.sampling_defaults)
+            p = self.sampling_defaults.sampling_params()  # fresh: nobody else holds it
+            self._verify(p)
         elif not isinstance(params, SamplingParams):
             raise InvalidRequestError(
                 f"params must be a SamplingParams, not {type(params).__name__}"
             )
-        self._verify(params)
-        p = copy.deepcopy(params)
+        else:
+            self._verify(params)
+            if params.skip_clone:
+                # vLLM's clone() with skip_clone: shallow (a deep copy is ~50 us, most of
+                # this method); the set updated below in place is the copy's own.
+                p = copy.copy(params)
+                p._all_stop_token_ids = set(params._all_stop_token_ids)
+            else:
+                p = copy.deepcopy(params)
         if p.max_tokens is None:
             p.max_tokens = self.max_model_len - prompt_len
             if p.min_tokens > p.max_tokens:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from .._exceptions import InvalidRequestError
+from ._defaults import SamplingDefaults
 
 if TYPE_CHECKING:
     import tokenizers
@@ -47,9 +48,6 @@ _CONFIG_FILES: Final = (
 )
 _NAMED_SPECIAL: Final = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                          "cls_token", "mask_token")
-# The sampling fields vLLM takes from a generation config (get_diff_sampling_param).
-_SAMPLING_DEFAULT_KEYS: Final = ("repetition_penalty", "presence_penalty", "frequency_penalty",
-                                 "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -63,6 +61,18 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"{path} does not hold a JSON object")
     return value
+
+
+def _generation_config(folder: Path, model_config: Mapping[str, Any]) -> dict[str, Any]:
+    generation = _read_json(folder / "generation_config.json")
+    if not generation:
+        # transformers' GenerationConfig.from_model_config: the token ids of config.json.
+        generation = {
+            k: model_config[k]
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if model_config.get(k) is not None
+        }
+    return generation
 
 
 def _token_content(value: object) -> str | None:
@@ -112,11 +122,22 @@ class ModelFiles:
     """The JSON files of a model directory, read once (vLLM's model/generation config).
 
     ``config``, ``tokenizer_config`` and ``generation_config`` are the parsed files (an
-    empty dict when a file is missing). Construction reads files; nothing else does I/O
-    except `load_tokenizer`.
+    empty dict when a file is missing). ``generation_config`` is vLLM's
+    ``--generation-config``: ``"auto"`` (the model's file), ``"vllm"`` (the model's file
+    for EOS ids, no sampling defaults) or a directory whose ``generation_config.json``
+    replaces the model's; ``override_generation_config`` is
+    ``--override-generation-config`` (see `sampling_defaults`). Construction reads files
+    (``FileNotFoundError`` for a missing directory, ``ValueError`` for a bad file or
+    value); nothing else does I/O except `load_tokenizer`.
     """
 
-    def __init__(self, model: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        generation_config: str | os.PathLike[str] = "auto",
+        override_generation_config: Mapping[str, object] | None = None,
+    ) -> None:
         self.path: Path = resolve_model_dir(model)
         self.config: dict[str, Any] = _read_json(self.path / "config.json")
         # Multimodal configs nest the language model's config.
@@ -125,15 +146,24 @@ class ModelFiles:
             text_config if isinstance(text_config, dict) else self.config
         )
         self.tokenizer_config: dict[str, Any] = _read_json(self.path / "tokenizer_config.json")
-        generation = _read_json(self.path / "generation_config.json")
-        if not generation:
-            # transformers' GenerationConfig.from_model_config: the token ids of config.json.
-            generation = {
-                k: self.text_config[k]
-                for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                if self.text_config.get(k) is not None
-            }
-        self.generation_config: dict[str, Any] = generation
+        source = os.fspath(generation_config)
+        if source in ("auto", "vllm"):
+            self.generation_config: dict[str, Any] = _generation_config(self.path, self.text_config)
+        else:
+            # vLLM's --generation-config DIR: EOS ids and sampling defaults come from there.
+            folder = Path(source).expanduser()
+            if not folder.is_dir():
+                raise FileNotFoundError(f"generation config directory {source!r} does not exist")
+            folder_config = _read_json(folder / "config.json")
+            nested = folder_config.get("text_config")
+            self.generation_config = _generation_config(
+                folder, nested if isinstance(nested, dict) else folder_config
+            )
+        self.generation_config_source = source
+        self.override_generation_config: dict[str, Any] = dict(override_generation_config or {})
+        self._sampling_defaults = SamplingDefaults.from_generation_config(
+            self.generation_config, source=source, override=self.override_generation_config
+        )
 
     @property
     def vocab_size(self) -> int | None:
@@ -157,16 +187,11 @@ class ModelFiles:
             return [v for v in value if isinstance(v, int)]
         return []
 
-    def sampling_defaults(self) -> dict[str, float | int]:
-        """The generation config's sampling defaults, as vLLM's ``get_diff_sampling_param``
-        names them (``max_new_tokens`` becomes ``max_tokens``). vLLM applies them when the
-        caller gives no value (``--generation-config auto``)."""
-        out: dict[str, float | int] = {}
-        for key in _SAMPLING_DEFAULT_KEYS:
-            value = self.generation_config.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                out["max_tokens" if key == "max_new_tokens" else key] = value
-        return out
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The sampling defaults vLLM's ``--generation-config`` (``auto`` by default, as
+        given to the constructor) and ``--override-generation-config`` produce: see
+        `SamplingDefaults`. Checked at construction (``ValueError``)."""
+        return self._sampling_defaults
 
     def load_tokenizer(self) -> Tokenizer:
         """The directory's tokenizer (see `Tokenizer`)."""
