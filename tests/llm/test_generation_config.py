@@ -73,3 +73,18 @@ async def test_llm_built_over_a_client(
     out = await llm.generate_final("abcdef")
     assert out.outputs[0].text == "abc"
     assert llm.get_default_sampling_params().output_kind != RequestOutputKind.FINAL_ONLY
+
+
+def test_sync_llm_uses_the_generation_config(tmp_path: Path) -> None:
+    model = _model_with(tmp_path, {"max_new_tokens": 5})
+    with tv.SyncLLM(tv.ReferenceEngines(model="echo"), model=model) as llm:
+        assert llm.generate_final("hello world").outputs[0].text == "hello"
+        chat = llm.chat_final([{"role": "user", "content": "hi"}])
+        assert len(chat.outputs[0].token_ids) == 5
+    engines = tv.ReferenceEngines(model="echo")
+    with tv.SyncLLM(
+        engines, model=model, override_generation_config={"max_new_tokens": 2}
+    ) as llm:
+        assert llm.generate_final("hello world").outputs[0].text == "he"
+    with tv.SyncLLM(engines, model=model, generation_config="vllm") as llm:
+        assert llm.generate_final("hello world").outputs[0].text == "hello worldhello"

@@ -300,14 +300,6 @@ def _default_name(model: str | os.PathLike[str]) -> str:
 
 
 
-def _final_only(params: SamplingParams | None) -> SamplingParams:
-    # SyncLLM's (llm/_sync.py): without params it skips the model's sampling defaults;
-    # LLM._final_only applies them.
-    if params is None:
-        return SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)
-    return msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-
-
 async def _last_output(stream: RequestOutputStream) -> RequestOutput:
     last = await stream.collect()
     if last is None:  # pragma: no cover - the text layer always finishes a request

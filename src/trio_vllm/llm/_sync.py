@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, final
 
 from .._portal import BlockingStream, call_in_loop, close_streams
 from ..sync import SyncClient
-from ._llm import LLM, _engines_model, _final_only
+from ._llm import LLM, _engines_model
 
 if TYPE_CHECKING:
     import os
@@ -111,6 +111,8 @@ class SyncLLM:
         engines: an engine source, as for `open_llm`.
         model: the model directory (default: the engines' own, as ``open_llm``).
         served_model_name: the name reported as `model_name`.
+        generation_config, override_generation_config: the model's sampling defaults,
+            as for `open_llm`.
         backend: the event loop of the thread, ``"trio"`` (default) or ``"asyncio"``.
         **client_options: `open_client`'s keywords.
 
@@ -126,10 +128,14 @@ class SyncLLM:
         *,
         model: str | os.PathLike[str] | None = None,
         served_model_name: str | None = None,
+        generation_config: str | os.PathLike[str] = "auto",
+        override_generation_config: Mapping[str, object] | None = None,
         backend: str = "trio",
         **client_options: Any,
     ) -> None:
         self._engines = engines
+        self._generation_config = generation_config
+        self._override_generation_config = override_generation_config
         self._model = model if model is not None else _engines_model(engines)
         self._served_model_name = served_model_name
         self._backend = backend
@@ -146,7 +152,11 @@ class SyncLLM:
         if self._used:
             raise RuntimeError("a SyncLLM can be entered only once")
         self._used = True
-        files = ModelFiles(self._model)  # before any engine starts: a bad dir fails fast
+        files = ModelFiles(  # before any engine starts: a bad dir fails fast
+            self._model,
+            generation_config=self._generation_config,
+            override_generation_config=self._override_generation_config,
+        )
         tokenizer = files.load_tokenizer()
         client = SyncClient(self._engines, backend=self._backend, **self._options)
         client.__enter__()
@@ -252,7 +262,7 @@ class SyncLLM:
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
     ) -> RequestOutput:
         """Generate to the end; the final output with all ``n`` completions."""
-        context = self.llm.generate(prompt, _final_only(params), request_id=request_id)
+        context = self.llm.generate(prompt, self.llm._final_only(params), request_id=request_id)
         return self._call(_run_final, context)
 
     def chat(
@@ -290,7 +300,7 @@ class SyncLLM:
         """A reply to a conversation, final (as `generate_final`)."""
         context = self.llm.chat(
             messages,
-            _final_only(params),
+            self.llm._final_only(params),
             request_id=request_id,
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
