@@ -460,7 +460,7 @@ async def check_cancellation(
     checks: Sequence[Callable[[CheckpointRun], object]] = (),
     default_checks: bool = True,
     checkpoints: Iterable[int] | None = None,
-    settle: float = 2.0,
+    settle: float = 10.0,
     run_timeout: float = 30.0,
     repair: bool = True,
     allowed_exceptions: tuple[type[BaseException], ...] = (),
