@@ -302,3 +302,26 @@ async def test_cancelled_parked_consumer_leaves_the_item_for_the_next() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(deliver_when_parked)
             assert (await stream.receive()).new_token_ids == [6]
+
+
+async def test_cancelled_parked_consumer_does_not_strand_the_others() -> None:
+    """Consumers parked at once, one cancelled: the others are still woken by the next
+    puts (a single "someone waits" flag, cleared by the cancelled one, left them parked
+    with no put ever waking them)."""
+    box: Mailbox[int] = Mailbox()
+    got: list[int] = []
+
+    async def consume() -> None:
+        got.append(await box.receive())
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            tg.start_soon(consume)
+            async with anyio.create_task_group() as doomed:
+                doomed.start_soon(box.receive)
+                await anyio.wait_all_tasks_blocked()
+                doomed.cancel_scope.cancel()
+            box._put(1)
+            box._put(2)
+    assert sorted(got) == [1, 2]

@@ -282,6 +282,34 @@ async def test_get_output_cancelled_consumes_nothing(
     _drain(client)
 
 
+@pytest.mark.reference_engines(**ENGINES)
+async def test_get_output_cancelled_waiter_leaves_the_other_woken(
+    reference_engines: ReferenceEngineSet,
+) -> None:
+    """Two tasks wait in ``get_output``, one is cancelled: the other still gets the next
+    batch (no sweep: the two waits are parked before the cancellation, by construction)."""
+    client = reference_engines.client
+    _drain(client)
+    got: list[EngineCoreOutputs] = []
+
+    async def wait_one() -> None:
+        got.append(await client.get_output())
+
+    request = make_request([8], max_tokens=1)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_one)
+            async with anyio.create_task_group() as doomed:
+                doomed.start_soon(client.get_output)
+                await anyio.wait_all_tasks_blocked()
+                doomed.cancel_scope.cancel()
+            await client.add_request(request)
+        while request.request_id in client.live_requests:  # noqa: ASYNC110
+            await anyio.sleep(0.005)
+    assert len(got) == 1
+    _drain(client)
+
+
 # ---------------------------------------------------------------------- utilities
 
 

@@ -161,10 +161,12 @@ class Mailbox(Generic[T]):
         self._ended = False  # no more items will come (after the queued ones)
         self._error: Callable[[], BaseException] | None = None
         self._yield_due = 0.0  # until then a call that finds items may skip yielding
-        # A consumer is blocked on _wakeup. Only then does a put set it: a consumer
-        # always looks at the queue before waiting, and setting an event per item
-        # (with nobody waiting) was a fifth of the raw API's CPU at 1 output/message.
-        self._waiting = False
+        # How many consumers are blocked on _wakeup. Only then does a put set it: a
+        # consumer always looks at the queue before waiting, and setting an event per
+        # item (with nobody waiting) was a fifth of the raw API's CPU at 1
+        # output/message. A count, not a flag: one consumer leaving its wait (woken or
+        # cancelled) must not hide the others still parked from the producer.
+        self._waiting = 0
         self._check_cancelled: Callable[[], Awaitable[None]] | None = None  # on first use
 
     def __len__(self) -> int:
@@ -231,11 +233,11 @@ class Mailbox(Generic[T]):
             wakeup = self._wakeup
             if wakeup is _NOBODY:
                 wakeup = self._wakeup = _wakeup_for_backend()
-            self._waiting = True
+            self._waiting += 1
             try:
                 await wakeup.wait()
             finally:
-                self._waiting = False
+                self._waiting -= 1
 
     def receive_nowait(self) -> T:
         """The next item if one is queued, without waiting (not a checkpoint).
