@@ -287,7 +287,7 @@ class EngineCoreClient(NamedUtilities):
             elif type(action) is QueueRaw:
                 raw = self._raw  # Mailbox._put, inlined (one per message)
                 raw._pending.append(action.outputs)
-                if raw._waiting:  # only a waiting consumer needs the event
+                if raw._waiting:  # only a waiting consumer needs waking
                     raw._wakeup.set()
             elif isinstance(action, ResolveCall):
                 call = action.handle
