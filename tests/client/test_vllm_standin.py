@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import anyio
@@ -112,3 +113,30 @@ async def test_entry_point_stops_when_its_parent_dies() -> None:
         while any(_alive(pid) for pid in (launcher, *engines)):  # noqa: ASYNC110
             await anyio.sleep(0.05)
     print(f"orphaned launcher stopped itself after {time.monotonic() - start:.2f} s")
+
+
+async def test_stop_leaves_no_shared_memory_of_killed_engine_cores() -> None:
+    """Stock vLLM SIGKILLs its engine cores on a requested shutdown, so only the
+    launcher's resource tracker unlinks their shared memory; with the launcher's slow
+    interpreter teardown it used to outlast the grace, and the group's SIGKILL took
+    the tracker along, leaving the segment (see ``fake_vllm`` for ``--fake-shm``)."""
+    name = f"trio_vllm_test_{uuid.uuid4().hex[:12]}"
+    path = Path("/dev/shm") / name
+    source = VllmEngines("m", python=sys.executable, extra_args=["--fake-shm", name], env=ENV)
+    try:
+        async with open_client(source, ready_timeout=30, shutdown_grace=20) as client:
+            launcher = client.engine_pids[0]
+            with anyio.fail_after(30):
+                while not path.exists():  # noqa: ASYNC110 - a file, nothing to wait on
+                    await anyio.sleep(0.05)
+            async with client.generate(make_request([7, 8], max_tokens=2)) as stream:
+                assert await stream.collect() == [7, 8]
+            start = time.monotonic()
+        elapsed = time.monotonic() - start
+        assert not _alive(launcher)
+        assert not path.exists(), "the killed engine core's segment was left behind"
+        # The launcher exited after the cleanup, not at the end of the grace.
+        assert elapsed < 15, elapsed
+    finally:
+        if path.exists():
+            path.unlink()

@@ -18,4 +18,6 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--api-server-count", type=int, default=0)
     parser.add_argument("--headless", action="store_true")
     parser.add_argument("--engine-arg", action="append", default=[])
+    # A stand-in for an engine core's shared memory (see serve.py).
+    parser.add_argument("--fake-shm", default=None)
     return parser
