@@ -111,8 +111,8 @@ class SyncLLM:
         engines: an engine source, as for `open_llm`.
         model: the model directory (default: the engines' own, as ``open_llm``).
         served_model_name: the name reported as `model_name`.
-        generation_config, override_generation_config: the model's sampling defaults,
-            as for `open_llm`.
+        generation_config: where the sampling defaults come from, as for `open_llm`.
+        override_generation_config: overrides of those defaults, as for `open_llm`.
         backend: the event loop of the thread, ``"trio"`` (default) or ``"asyncio"``.
         **client_options: `open_client`'s keywords.
 
