@@ -179,13 +179,7 @@ class _Setting:
                 "--data-parallel-rpc-port", str(self.rpc_port), "--max-model-len", "512",
                 "--max-num-seqs", "256", "--disable-log-stats",
             ]  # fmt: skip
-            if name == "vllm-rs":
-                env["VLLM_USE_RUST_FRONTEND"] = "1"
-                env["VLLM_RUST_FRONTEND_PATH"] = str(rs_path)
-        self.frontend = subprocess.Popen(
-            command, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+        self._spawn_frontend(name, command, env, rs_path)
         engine = [
             "taskset", "-c", _other_cores(), sys.executable, "-m", "trio_vllm.reference_engine",
             "--handshake-address", f"tcp://127.0.0.1:{self.rpc_port}", "--model", "echo",
@@ -198,6 +192,17 @@ class _Setting:
             engine, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
         self._wait_up()
+
+    def _spawn_frontend(
+        self, name: str, command: list[str], env: dict[str, str], rs_path: Path
+    ) -> None:
+        if name == "vllm-rs":  # vLLM's launcher runs the Rust frontend instead of its own
+            env["VLLM_USE_RUST_FRONTEND"] = "1"
+            env["VLLM_RUST_FRONTEND_PATH"] = str(rs_path)
+        self.frontend = subprocess.Popen(
+            command, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
 
     def _wait_up(self) -> None:
         try:
@@ -224,13 +229,7 @@ class _Setting:
                 *pin, vllm_python, str(VLLM_CLI), "serve", str(MODEL), "--served-model-name",
                 SERVED, "--host", "127.0.0.1", "--port", str(self.port), *STOCK_ENGINE_ARGS,
             ]  # fmt: skip
-            if name == "vllm-rs":
-                env["VLLM_USE_RUST_FRONTEND"] = "1"
-                env["VLLM_RUST_FRONTEND_PATH"] = str(rs_path)
-        self.frontend = subprocess.Popen(
-            command, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+        self._spawn_frontend(name, command, env, rs_path)
         self._wait_up()
         # The API server is the launched process; vllm-rs's launcher runs the Rust
         # frontend as a child named vllm-rs. Everything else below is the engine.

@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
 from typing import TYPE_CHECKING, Any
 
@@ -27,15 +26,7 @@ import pytest
 from trio_vllm.text import ModelFiles
 
 from .conftest import ENGINE_ENV, TINY_MODEL, vllm_python
-from .test_serve_parity import (
-    SERVE_ARGS,
-    SERVED,
-    VLLM_CLI,
-    _free_port,
-    _stop,
-    _summary,
-    _wait_healthy,
-)
+from .test_serve_parity import SERVED, _summary, serve_both
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -150,33 +141,9 @@ def _run(port: int) -> list[Any]:
 
 
 def test_serve_applies_generation_config_as_vllm_serve(tmp_path: Path) -> None:
-    python = vllm_python()
+    vllm_python()  # skips without a python with vLLM, before the model is copied
     model = _model_copy(tmp_path / "tiny-gen", GENERATION_CONFIG)
-    env = {**os.environ, **ENGINE_ENV}
-    port = _free_port()
-    stock = subprocess.Popen(
-        [python, str(VLLM_CLI), "serve", str(model), "--served-model-name", SERVED,
-         "--host", "127.0.0.1", "--port", str(port), *SERVE_ARGS],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        _wait_healthy(stock, port, 900)
-        expected = _run(port)
-    finally:
-        _stop(stock)
-    port = _free_port()
-    ours = subprocess.Popen(
-        [sys.executable, "-m", "trio_vllm.cli", "serve", "--engine", "vllm",
-         "--vllm-python", python, "--model", str(model), "--served-model-name", SERVED,
-         "--port", str(port), f"--engine-args={' '.join(SERVE_ARGS)}",
-         "--ready-timeout", "800"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        _wait_healthy(ours, port, 900)
-        got = _run(port)
-    finally:
-        assert _stop(ours) == 0
+    expected, got = serve_both(model, _run)
     for case, want, have in zip([*SERVE_CASES, REFUSED], expected, got, strict=True):
         assert have == want, case
     # not vacuous: the file's max_new_tokens limited the chat answers, vLLM refused n=2

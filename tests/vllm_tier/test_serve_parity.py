@@ -17,10 +17,14 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
 
 from .conftest import ENGINE_ARGS, ENGINE_ENV, REPO, TINY_MODEL, vllm_python
 
@@ -136,33 +140,40 @@ def _run_cases(port: int) -> list[dict[str, Any]]:
     return results
 
 
-def test_trio_vllm_serve_matches_vllm_serve() -> None:
+def serve_both(model: Path, run: Callable[[int], list[Any]]) -> tuple[list[Any], list[Any]]:
+    """``run(port)`` against ``vllm serve MODEL``, then against ``trio-vllm serve --engine
+    vllm`` on the same model (which must exit 0 on SIGTERM): (vLLM's results, ours)."""
     python = vllm_python()
     env = {**os.environ, **ENGINE_ENV}
     port = _free_port()
     stock = subprocess.Popen(
-        [python, str(VLLM_CLI), "serve", str(TINY_MODEL), "--served-model-name", SERVED,
+        [python, str(VLLM_CLI), "serve", str(model), "--served-model-name", SERVED,
          "--host", "127.0.0.1", "--port", str(port), *SERVE_ARGS],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
         _wait_healthy(stock, port, 900)
-        expected = _run_cases(port)
+        expected = run(port)
     finally:
         _stop(stock)
     port = _free_port()
     ours = subprocess.Popen(
         [sys.executable, "-m", "trio_vllm.cli", "serve", "--engine", "vllm",
-         "--vllm-python", python, "--model", str(TINY_MODEL), "--served-model-name", SERVED,
+         "--vllm-python", python, "--model", str(model), "--served-model-name", SERVED,
          "--port", str(port), f"--engine-args={' '.join(SERVE_ARGS)}",
          "--ready-timeout", "800"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
         _wait_healthy(ours, port, 900)
-        got = _run_cases(port)
+        got = run(port)
     finally:
         assert _stop(ours) == 0
+    return expected, got
+
+
+def test_trio_vllm_serve_matches_vllm_serve() -> None:
+    expected, got = serve_both(TINY_MODEL, _run_cases)
     for (path, body), want, have in zip(CASES, expected, got, strict=False):
         assert have == want, (path, body)
     assert got[-1] == expected[-1]
