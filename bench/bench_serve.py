@@ -1,9 +1,17 @@
 """``vllm bench serve`` against ``trio-vllm serve``, vLLM's API server and its Rust frontend.
 
-Frontend-bound setting (issue 13): the engine is nearly free, so the frontend is what
-is measured. Every server under test runs without a local engine and our reference
-engine (echo model, ``--max-num-seqs 256``, the tiny-llama vocabulary via
-``--model-dir``) connects to it as its headless engine:
+Every server under test runs without a local engine and one headless engine, started
+by this script in its own session and pinned to the other cores from its start,
+connects to it; only the engine differs between the two settings:
+
+* ``--setting frontend-bound`` (default, issue 13): the engine is nearly free, so the
+  frontend is what is measured: our reference engine (echo model, ``--max-num-seqs
+  256``, the tiny-llama vocabulary via ``--model-dir``).
+* ``--setting stock-engine``: a stock vLLM engine core on the tiny model (dummy
+  weights), started with vLLM's own ``vllm serve DIR --headless
+  --data-parallel-address 127.0.0.1 --data-parallel-rpc-port P ...``.
+
+The frontends:
 
 * ``trio``: ``trio-vllm serve --connect tcp://127.0.0.1:P --engines 1 --model DIR``
 * ``vllm``: ``vllm serve DIR --data-parallel-size 1 --data-parallel-size-local 0
@@ -12,16 +20,31 @@ engine (echo model, ``--max-num-seqs 256``, the tiny-llama vocabulary via
 * ``vllm-rs``: the same with ``VLLM_USE_RUST_FRONTEND=1 VLLM_RUST_FRONTEND_PATH=...``
   (vLLM's Rust frontend; ``../shared/interop/fetch_vllm_rs.sh`` fetches it)
 
+Why the stock engine is not left to each frontend to spawn (as an earlier version of
+this setting did): ``vllm serve`` starts its engine core as its own child, so in the
+API server's session, where ``trio-vllm serve --engine vllm`` starts ``vllm serve
+--headless`` in a new session. With the kernel's session autogroups
+(``kernel.sched_autogroup_enabled=1`` here) and vLLM's worker spin-waiting for its
+next step (``sched_yield`` in its shared-memory queue) on the core it shares with the
+benchmark client, an engine in the frontend's session starved the client: it waited
+on the run queue for 2.1 s of a 3.5 s run (0.4 of 1.8 s with the engine in its own
+session) and read each response at once after 200-1000 ms (TTFT = the whole request,
+ITL p50 0.00 ms) behind both of vLLM's frontends. Measured with vLLM's frontend and a
+headless engine: sharing the frontend's session reproduces it, an own session does
+not, whichever core the engine starts on; the engine's config, environment and
+threads' affinity were the same under both launchers.
+
 The client is vLLM's own ``vllm bench serve`` (random dataset, 32 tokens in, 64 out,
 ``--ignore-eos``), backends ``openai`` and ``openai-chat``, at each concurrency. The
 frontend is pinned to core 0 (``taskset``), engine and client to the others. Reported
 per run: request throughput, output tokens/s, TTFT and ITL p50/p99, the frontend's
-CPU seconds per request (its process tree, engine excluded) and SSE chunks with
-content per request (``len(itls) + 1`` from the detailed results), plus ratios
+CPU seconds per request (its process tree; the engine is not in it) and SSE chunks
+with content per request (``len(itls) + 1`` from the detailed results), plus ratios
 trio/vllm and trio/vllm-rs.
 
     python bench/bench_serve.py --vllm-python PY [--concurrency 1,16,64,256]
-        [--servers trio,vllm,vllm-rs] [--baseline REV] [--json OUT]
+        [--servers trio,vllm,vllm-rs] [--setting frontend-bound|stock-engine]
+        [--baseline REV] [--json OUT]
 
 ``--baseline REV`` adds ``trio-base``: ``trio-vllm serve`` from that revision's
 ``src/`` (``git archive``), on the same engine build, for an A/B in one run.
@@ -57,6 +80,8 @@ STOCK_ENGINE_ARGS = [
     "--enforce-eager", "--max-num-seqs", "256", "--disable-log-stats",
 ]  # fmt: skip
 STOCK_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# vLLM's frontends in front of the reference engine (its limits).
+REFERENCE_FRONTEND_ARGS = ["--max-model-len", "512", "--max-num-seqs", "256", "--disable-log-stats"]
 
 
 def _free_port() -> int:
@@ -92,41 +117,6 @@ def _tree_cpu(pid: int, exclude: set[int]) -> float:
     return total
 
 
-def _own_cpu(pid: int) -> float:
-    """CPU seconds of one process (all its threads), without its children."""
-    tick = os.sysconf("SC_CLK_TCK")
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / tick
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _descendants(pid: int) -> list[int]:
-    found: list[int] = []
-    stack = [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    children = [int(c) for c in f.read().split()]
-                found += children
-                stack += children
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return found
-
-
 def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float = 900) -> None:
     import httpx
 
@@ -143,8 +133,52 @@ def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float = 900
     raise RuntimeError(f"server on {port} not healthy after {timeout} s")
 
 
+def _frontend_command(
+    name: str, vllm_python: str, port: int, rpc_port: int, stock_engine: bool
+) -> list[str]:
+    """The frontend under test, pinned to ``FRONTEND_CORE``, without a local engine: it
+    binds the handshake on ``rpc_port`` and waits for one headless engine."""
+    pin = ["taskset", "-c", FRONTEND_CORE]
+    if name.startswith("trio"):
+        return [
+            *pin, sys.executable, "-m", "trio_vllm.cli", "serve", "--model", str(MODEL),
+            "--served-model-name", SERVED, "--port", str(port),
+            "--connect", f"tcp://127.0.0.1:{rpc_port}", "--engines", "1",
+            "--ready-timeout", "900",
+        ]  # fmt: skip
+    # vLLM's frontends build their config from the engine arguments: the same as the
+    # engine's in the stock-engine setting.
+    engine_args = STOCK_ENGINE_ARGS if stock_engine else REFERENCE_FRONTEND_ARGS
+    return [
+        *pin, vllm_python, str(VLLM_CLI), "serve", str(MODEL), "--served-model-name",
+        SERVED, "--host", "127.0.0.1", "--port", str(port),
+        "--data-parallel-size", "1", "--data-parallel-size-local", "0",
+        "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
+        *engine_args,
+    ]  # fmt: skip
+
+
+def _engine_command(vllm_python: str, rpc_port: int, stock_engine: bool) -> list[str]:
+    """The headless engine, pinned to the other cores from its start (vLLM's CPU worker
+    binds its OpenMP threads to the cores it starts on)."""
+    pin = ["taskset", "-c", _other_cores()]
+    if stock_engine:  # vLLM's own launcher: ``vllm serve --headless``
+        return [
+            *pin, vllm_python, str(VLLM_CLI), "serve", str(MODEL), "--headless",
+            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port",
+            str(rpc_port), *STOCK_ENGINE_ARGS,
+        ]  # fmt: skip
+    return [
+        *pin, sys.executable, "-m", "trio_vllm.reference_engine",
+        "--handshake-address", f"tcp://127.0.0.1:{rpc_port}", "--model", "echo",
+        "--model-dir", str(MODEL), "--max-num-seqs", "256", "--max-model-len", "512",
+        "--max-num-batched-tokens", "8192", "--disable-log-stats",
+    ]  # fmt: skip
+
+
 class _Setting:
-    """One frontend with our reference engine connected as its headless engine."""
+    """One frontend with its headless engine: our reference engine (frontend-bound) or a
+    stock vLLM engine core (stock-engine), started the same way for every frontend."""
 
     def __init__(
         self, name: str, vllm_python: str, rs_path: Path, logdir: Path,
@@ -154,43 +188,21 @@ class _Setting:
         self.port = _free_port()
         self.rpc_port = _free_port()
         self.log = open(logdir / f"{name}.log", "wb")  # noqa: SIM115
-        self.stock = stock_engine
         self.engine: subprocess.Popen[bytes] | None = None
-        self.frontend_pids: list[int] = []
         env = {**os.environ}
-        pin = ["taskset", "-c", FRONTEND_CORE]
         if trio_src is not None:  # the A/B baseline: another source tree
             env["PYTHONPATH"] = str(trio_src)
-        if stock_engine:
-            self._start_stock(name, vllm_python, rs_path, env, pin)
-            return
-        if name.startswith("trio"):
-            command = [
-                *pin, sys.executable, "-m", "trio_vllm.cli", "serve", "--model", str(MODEL),
-                "--served-model-name", SERVED, "--port", str(self.port),
-                "--connect", f"tcp://127.0.0.1:{self.rpc_port}", "--engines", "1",
-            ]  # fmt: skip
-        else:
-            command = [
-                *pin, vllm_python, str(VLLM_CLI), "serve", str(MODEL), "--served-model-name",
-                SERVED, "--host", "127.0.0.1", "--port", str(self.port),
-                "--data-parallel-size", "1", "--data-parallel-size-local", "0",
-                "--data-parallel-address", "127.0.0.1",
-                "--data-parallel-rpc-port", str(self.rpc_port), "--max-model-len", "512",
-                "--max-num-seqs", "256", "--disable-log-stats",
-            ]  # fmt: skip
+        command = _frontend_command(name, vllm_python, self.port, self.rpc_port, stock_engine)
         self._spawn_frontend(name, command, env, rs_path)
-        engine = [
-            "taskset", "-c", _other_cores(), sys.executable, "-m", "trio_vllm.reference_engine",
-            "--handshake-address", f"tcp://127.0.0.1:{self.rpc_port}", "--model", "echo",
-            "--model-dir", str(MODEL), "--max-num-seqs", "256", "--max-model-len", "512",
-            "--max-num-batched-tokens", "8192", "--disable-log-stats",
-        ]  # fmt: skip
-        # vLLM's frontend binds the handshake socket a while after start; the reference
-        # engine retries its connection (ZeroMQ), so it can start at once.
+        # vLLM's frontend binds the handshake socket a while after start; both engines
+        # retry their connection (ZeroMQ), so they can start at once. The engine gets its
+        # own session: sharing the frontend's (its autogroup) starved the client on the
+        # engine's core (see the module docstring).
         self.engine = subprocess.Popen(
-            engine, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+            _engine_command(vllm_python, self.rpc_port, stock_engine),
+            env={**os.environ, **STOCK_ENV} if stock_engine else None,
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
         self._wait_up()
 
     def _spawn_frontend(
@@ -211,39 +223,8 @@ class _Setting:
             self.close()
             raise
 
-    def _start_stock(
-        self, name: str, vllm_python: str, rs_path: Path, env: dict[str, str], pin: list[str]
-    ) -> None:
-        """The frontend spawns a stock vLLM engine core on the tiny model (dummy weights);
-        once up, the engine's processes move to the other cores."""
-        env.update(STOCK_ENV)
-        if name.startswith("trio"):
-            command = [
-                *pin, sys.executable, "-m", "trio_vllm.cli", "serve", "--engine", "vllm",
-                "--vllm-python", vllm_python, "--model", str(MODEL), "--served-model-name",
-                SERVED, "--port", str(self.port), "--ready-timeout", "900",
-                f"--engine-args={' '.join(STOCK_ENGINE_ARGS)}",
-            ]  # fmt: skip
-        else:
-            command = [
-                *pin, vllm_python, str(VLLM_CLI), "serve", str(MODEL), "--served-model-name",
-                SERVED, "--host", "127.0.0.1", "--port", str(self.port), *STOCK_ENGINE_ARGS,
-            ]  # fmt: skip
-        self._spawn_frontend(name, command, env, rs_path)
-        self._wait_up()
-        # The API server is the launched process; vllm-rs's launcher runs the Rust
-        # frontend as a child named vllm-rs. Everything else below is the engine.
-        self.frontend_pids = [self.frontend.pid]
-        for pid in _descendants(self.frontend.pid):
-            if _comm(pid).startswith("vllm-rs"):
-                self.frontend_pids.append(pid)
-                continue
-            subprocess.run(["taskset", "-a", "-p", "-c", _other_cores(), str(pid)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-
     def cpu(self) -> float:
-        if self.stock:  # the API server's own process(es); the rest is the engine
-            return sum(_own_cpu(pid) for pid in self.frontend_pids)
+        """The frontend's process tree (the engine is not in it: it is our child)."""
         assert self.engine is not None
         return _tree_cpu(self.frontend.pid, {self.engine.pid})
 
@@ -313,9 +294,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--setting", choices=("frontend-bound", "stock-engine"),
                         default="frontend-bound",
-                        help="frontend-bound: our reference engine as every frontend's "
-                             "headless engine; stock-engine: each frontend spawns a stock "
-                             "vLLM engine core on the tiny model")  # fmt: skip
+                        help="the headless engine of every frontend: our reference "
+                             "engine (frontend-bound) or a stock vLLM engine core on the "
+                             "tiny model (stock-engine)")  # fmt: skip
     parser.add_argument("--baseline", metavar="REV",
                         help="also run trio-vllm serve from this git revision's src/ as "
                              "server trio-base (an A/B in one run)")  # fmt: skip
@@ -333,8 +314,9 @@ def main() -> int:
             "frontend-bound: reference engine (echo, max-num-seqs 256) as the headless "
             "engine of each frontend"
             if args.setting == "frontend-bound"
-            else "stock-engine: each frontend spawns a stock vLLM engine core on the tiny "
-            "model (dummy weights, max-num-seqs 256), moved to the other cores"
+            else "stock-engine: a stock vLLM engine core (vllm serve --headless, tiny "
+            "model, dummy weights, max-num-seqs 256) as the headless engine of each "
+            "frontend"
         ) + "; random 32 in / 64 out, ignore-eos",
         "runs": {},
     }  # fmt: skip
