@@ -104,13 +104,22 @@ class _TrioWakeup:
         return self._lowlevel.Abort.SUCCEEDED
 
     async def wait(self) -> None:
-        """Park until `set`; a checkpoint (cancellable: then nothing changed)."""
+        """Park until `set`; a checkpoint (cancellable: then nothing changed).
+
+        `Mailbox.__anext__` inlines the first waiter's park (see there); this is the
+        general path."""
         lowlevel = self._lowlevel
-        task = lowlevel.current_task()
         if self._task is None:
-            self._task = task
+            self._task = lowlevel.current_task()
             await lowlevel.wait_task_rescheduled(self._abort)
             return
+        await self._wait_more()
+
+    async def _wait_more(self) -> None:
+        # Apart from wait(): a closure's variables are cells made on every call of the
+        # function that holds them, and the common path has no use for them.
+        lowlevel = self._lowlevel
+        task = lowlevel.current_task()
         self._more.append(task)
 
         def abort(_raise_cancel: object) -> object:
@@ -235,7 +244,16 @@ class Mailbox(Generic[T]):
                 wakeup = self._wakeup = _wakeup_for_backend()
             self._waiting += 1
             try:
-                await wakeup.wait()
+                if type(wakeup) is _TrioWakeup and wakeup._task is None:
+                    # _TrioWakeup.wait, inlined: a parked consumer keeps its chain of
+                    # awaits alive until woken, and with thousands of streams those
+                    # objects outlive young collections and fill the older
+                    # generations (see docs/performance.md, issue 14's third pass).
+                    lowlevel = wakeup._lowlevel
+                    wakeup._task = lowlevel.current_task()
+                    await lowlevel.wait_task_rescheduled(wakeup._abort)
+                else:
+                    await wakeup.wait()
             finally:
                 self._waiting -= 1
 
