@@ -206,6 +206,11 @@ class Mailbox(Generic[T]):
     def _take(self) -> T:
         return self._pending.popleft()
 
+    def _take_all(self) -> list[T]:
+        items = list(self._pending)
+        self._pending.clear()
+        return items
+
     def _at_end(self) -> bool:
         return self._ended
 
@@ -277,3 +282,22 @@ class Mailbox(Generic[T]):
             return await self.__anext__()
         except StopAsyncIteration:
             raise anyio.EndOfStream from None
+
+    async def receive_batch(self) -> list[T]:
+        """Every queued item, in order, waiting for one if none is (never empty).
+
+        One call, one cancellation check and at most one wake-up for however many
+        items are queued, where iteration pays them per item. Waits, yields and checks
+        for cancellation exactly as ``__anext__`` does; the rest is synchronous, so a
+        cancelled call consumed nothing. Raises ``anyio.EndOfStream`` after the last
+        item, or the error the mailbox was closed with once nothing is queued.
+        """
+        try:
+            first = await self.__anext__()
+        except StopAsyncIteration:
+            raise anyio.EndOfStream from None
+        if not self._pending:
+            return [first]
+        items = self._take_all()
+        items.insert(0, first)
+        return items
