@@ -177,6 +177,9 @@ class Mailbox(Generic[T]):
         # cancelled) must not hide the others still parked from the producer.
         self._waiting = 0
         self._check_cancelled: Callable[[], Awaitable[None]] | None = None  # on first use
+        # The trio wake-up's abort, bound once (a bound method per park is one more
+        # object alive while parked); held here, not by the wake-up: no reference cycle.
+        self._abort_park: Callable[[object], object] | None = None
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -247,6 +250,8 @@ class Mailbox(Generic[T]):
             wakeup = self._wakeup
             if wakeup is _NOBODY:
                 wakeup = self._wakeup = _wakeup_for_backend()
+                if type(wakeup) is _TrioWakeup:
+                    self._abort_park = wakeup._abort
             self._waiting += 1
             try:
                 if type(wakeup) is _TrioWakeup and wakeup._task is None:
@@ -256,7 +261,7 @@ class Mailbox(Generic[T]):
                     # generations (see docs/performance.md, issue 14's third pass).
                     lowlevel = wakeup._lowlevel
                     wakeup._task = lowlevel.current_task()
-                    await lowlevel.wait_task_rescheduled(wakeup._abort)
+                    await lowlevel.wait_task_rescheduled(self._abort_park)
                 else:
                     await wakeup.wait()
             finally:
