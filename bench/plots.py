@@ -56,7 +56,8 @@ def _case_label(key: str, case: dict[str, Any]) -> str:
     if key in _CASE_STYLE:
         return _CASE_STYLE[key][0]
     backend = "trio" if key.startswith("d") else "asyncio"
-    return f"{key[0]}: streams, {case['consumers']} consumers, {backend}"
+    how = ", receive_batch" if key.endswith("+") else ""
+    return f"{key[0]}: streams, {case['consumers']} consumers{how}, {backend}"
 
 
 def _case_color(key: str) -> str:

@@ -67,17 +67,18 @@ def test_firehose(tmp_path: Path) -> None:
     )
     for mode in ("live", "backlog"):
         cases = run[mode]["cases"]
-        assert set(cases) == {"a", "b", "b+", "c", "d4"}
+        assert set(cases) == {"a", "b", "b+", "c", "d4", "d4+"}
         # a, b, c: 2 requests x 90 outputs; d: 4 streams x max(32, 180 // 4) outputs.
         for key in ("a", "b", "b+", "c"):
             assert cases[key]["outputs"] == 2 * 90
             assert cases[key]["messages"] == 60  # 3 outputs per message, none left over
             assert cases[key]["outputs_per_s"] > 0
             assert cases[key]["cpu_s"] > 0
-        if mode == "live":
-            assert cases["d4"]["outputs"] == 4 * 45
-        else:  # only what arrived after the pile-up is counted
-            assert 0 < cases["d4"]["outputs"] <= 4 * 45
+        for key in ("d4", "d4+"):
+            if mode == "live":
+                assert cases[key]["outputs"] == 4 * 45
+            else:  # only what arrived after the pile-up is counted
+                assert 0 < cases[key]["outputs"] <= 4 * 45
         ratios = run[mode]["ratios"]
         assert ratios["b/a"] == pytest.approx(
             cases["b"]["outputs_per_s"] / cases["a"]["outputs_per_s"]
@@ -157,7 +158,7 @@ def test_firehose_asyncio_streams_and_the_run_record(tmp_path: Path) -> None:
                    timeout=230)  # fmt: skip
     (run,) = result["runs"]
     cases = run["live"]["cases"]
-    assert set(cases) == {"a", "b", "b+", "c", "d4", "f4"}
+    assert set(cases) == {"a", "b", "b+", "c", "d4", "d4+", "f4"}
     assert cases["f4"]["consumers"] == 4
     assert cases["f4"]["outputs"] == cases["d4"]["outputs"] == 4 * 45
     assert run["live"]["ratios"]["f4/c"] > 0

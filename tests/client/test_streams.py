@@ -325,3 +325,90 @@ async def test_cancelled_parked_consumer_does_not_strand_the_others() -> None:
             box._put(1)
             box._put(2)
     assert sorted(got) == [1, 2]
+
+
+async def test_receive_batch_takes_every_buffered_output_in_order() -> None:
+    stream = RequestStream("r", 0, max_pending=4)
+    for i in range(10):  # 4 buffered, the last holding 7 merged outputs
+        stream._deliver(_out([i], 1 if i == 9 else None, new_logprobs=_lp([i])))
+    batch = await stream.receive_batch()
+    assert [out.new_token_ids for out in batch] == [[0], [1], [2], list(range(3, 10))]
+    assert batch[-1].new_logprobs.logprob_token_ids[:, 0].tolist() == list(range(3, 10))
+    assert stream.finish_reason == 1
+    assert not stream._pending
+    with pytest.raises(anyio.EndOfStream):
+        await stream.receive_batch()
+    with pytest.raises(anyio.EndOfStream):
+        await stream.receive()
+
+
+async def test_receive_batch_mixed_with_iteration_loses_nothing() -> None:
+    stream = RequestStream("r", 0, max_pending=3)
+    seen: list[int] = []
+    for i in range(40):
+        stream._deliver(_out([i], 1 if i == 39 else None, new_logprobs=_lp([i])))
+        if i % 5 == 0:
+            for out in await stream.receive_batch():
+                assert out.new_logprobs.logprob_token_ids[:, 0].tolist() == out.new_token_ids
+                seen.extend(out.new_token_ids)
+        elif i % 7 == 0:
+            seen.extend((await stream.receive()).new_token_ids)
+    async for out in stream:
+        seen.extend(out.new_token_ids)
+    assert seen == list(range(40))
+
+
+async def test_receive_batch_waits_for_the_first_output() -> None:
+    """Parked with nothing buffered, woken by the next delivery, it returns what is
+    buffered when it runs (the wake-up is sent once, by the first delivery)."""
+    stream = RequestStream("r", 0)
+    got: list[list[int]] = []
+
+    async def consume() -> None:
+        got.extend(out.new_token_ids for out in await stream.receive_batch())
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await anyio.wait_all_tasks_blocked()
+            assert stream._waiting
+            stream._deliver(_out([1]))
+            stream._deliver(_out([2]))
+    assert got == [[1], [2]]
+
+
+async def test_cancelled_receive_batch_consumes_nothing() -> None:
+    stream = RequestStream("r", 0)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:  # cancelled while parked
+            tg.start_soon(stream.receive_batch)
+            await anyio.wait_all_tasks_blocked()
+            tg.cancel_scope.cancel()
+    assert not stream._waiting
+    stream._deliver(_out([7]))
+    stream._deliver(_out([8], 1))
+    with anyio.CancelScope() as scope:  # cancelled with outputs buffered
+        scope.cancel()
+        await stream.receive_batch()
+    assert scope.cancelled_caught
+    assert [out.new_token_ids for out in await stream.receive_batch()] == [[7], [8]]
+
+
+async def test_receive_batch_raises_the_error_after_buffered_outputs() -> None:
+    stream = RequestStream("r", 0)
+    stream._deliver(_out([1]))
+    stream._deliver(_out([2]))
+    stream._fail(lambda: EngineDeadError("gone"))
+    assert [out.new_token_ids for out in await stream.receive_batch()] == [[1], [2]]
+    with pytest.raises(EngineDeadError):
+        await stream.receive_batch()
+
+
+async def test_mailbox_receive_batch_and_end() -> None:
+    box: Mailbox[int] = Mailbox()
+    for i in range(3):
+        box._put(i)
+    box._close()
+    assert await box.receive_batch() == [0, 1, 2]
+    with pytest.raises(anyio.EndOfStream):
+        await box.receive_batch()

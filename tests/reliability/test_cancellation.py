@@ -137,6 +137,32 @@ async def test_generate_and_iteration(reference_engines: ReferenceEngineSet) -> 
 
 
 @pytest.mark.reference_engines(**ENGINES)
+async def test_generate_and_receive_batch(reference_engines: ReferenceEngineSet) -> None:
+    client = reference_engines.client
+    tokens: list[list[int]] = []
+
+    async def scenario() -> None:
+        got: list[int] = []
+        async with client.generate(make_request([3, 4, 5], max_tokens=6)) as stream:
+            try:
+                while True:
+                    for out in await stream.receive_batch():
+                        got.extend(out.new_token_ids)
+            except anyio.EndOfStream:
+                pass
+        tokens.append(got)
+
+    def complete_when_returned(run: CheckpointRun) -> None:
+        if run.outcome == "returned":
+            assert tokens.pop() == [3, 4, 5, 3, 4, 5]
+
+    # At least the ADD's send and the receive that ends the stream.
+    await _sweep(
+        scenario, engines=reference_engines, checks=[complete_when_returned], min_checkpoints=2
+    )
+
+
+@pytest.mark.reference_engines(**ENGINES)
 async def test_generate_long_request_is_aborted_on_the_engine(
     reference_engines: ReferenceEngineSet,
 ) -> None:

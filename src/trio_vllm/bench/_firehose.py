@@ -8,7 +8,8 @@ b. trio-vllm's raw batch API (``add_request`` + ``get_output``) on trio; ``b+`` 
    same, draining what is queued with ``get_output_nowait`` after each ``get_output``;
 c. the same on asyncio (through anyio);
 d. one ``generate`` stream per request, one consumer task each, with C concurrent
-   consumers (default 256 and 4096), on trio; ``f`` the same on asyncio (with
+   consumers (default 256 and 4096), on trio (``d256+``: each consumer takes every
+   buffered output per call with ``receive_batch``); ``f`` the same on asyncio (with
    ``--stream-backends trio,asyncio``; it was ``bench/bench_client.py``'s stream case);
 e. with ``--vllm-python``: vLLM's own ``AsyncMPClient`` in that python, reading a
    reference engine connected to the sockets it bound.
@@ -161,9 +162,15 @@ async def run_raw_api(
 
 
 async def run_streams(
-    batch: int, consumers: int, tokens: int, backlog: float = 0.0, profile: bool = False
+    batch: int,
+    consumers: int,
+    tokens: int,
+    backlog: float = 0.0,
+    profile: bool = False,
+    batched: bool = False,
 ) -> dict[str, Any]:
-    """(d) one ``generate`` stream and consumer task per request."""
+    """(d) one ``generate`` stream and consumer task per request; with ``batched``
+    (d+) the consumers call ``receive_batch`` instead of iterating."""
     prof = Profile(profile)
     async with open_client(_engines(batch), ready_timeout=120) as client:
         reqs = [make_request(_PROMPT, max_tokens=tokens) for _ in range(consumers)]
@@ -176,8 +183,14 @@ async def run_streams(
                 opened += 1
                 if opened == consumers:
                     all_open.set()
-                async for out in stream:
-                    outputs += len(out.new_token_ids)
+                if not batched:
+                    async for out in stream:
+                        outputs += len(out.new_token_ids)
+                    return
+                with contextlib.suppress(anyio.EndOfStream):
+                    while True:
+                        for out in await stream.receive_batch():
+                            outputs += len(out.new_token_ids)
 
         before = 0
         _freeze_heap()
@@ -267,6 +280,8 @@ _LABELS = {
 
 
 def _label(key: str) -> str:
+    if key.startswith("d") and key.endswith("+"):
+        return f"d+ streams, {key[1:-1]} consumers, receive_batch, trio"
     if key.startswith("d"):
         return f"d  trio-vllm streams, {key[1:]} consumers, trio"
     if key.startswith("f"):
@@ -319,6 +334,12 @@ def _run_cases(
             cases[key] = anyio.run(run_streams, batch, n, per_stream, backlog, p, backend=backend)
             cases[key]["consumers"] = n
             note(key)
+            if backend == "trio":
+                cases[f"d{n}+"] = anyio.run(
+                    run_streams, batch, n, per_stream, backlog, p, True, backend="trio"
+                )
+                cases[f"d{n}+"]["consumers"] = n
+                note(f"d{n}+")
     errors: dict[str, str] = {}
     if vllm_python:
         try:
@@ -342,6 +363,8 @@ def _run_cases(
 
     pairs = [("b", "a"), ("b+", "a"), ("c", "a"), ("b", "e"), ("e", "a")]
     pairs += [(f"d{n}", "b") for n in consumers]
+    if "trio" in stream_backends:
+        pairs += [(f"d{n}+", "b") for n in consumers]
     if "asyncio" in stream_backends:
         pairs += [(f"f{n}", "c") for n in consumers]
     return {

@@ -93,7 +93,8 @@ def add_parser(commands: Any) -> None:
         description=(
             "Reference engine in firehose mode. Cases: (a) blocking pyzmq + decoder, "
             "(b) get_output on trio, (c) on asyncio, (d) per-request streams with C "
-            "consumers on trio (f: on asyncio, with --stream-backends trio,asyncio), (e) "
+            "consumers on trio (d+: consumers calling receive_batch; f: on asyncio, with "
+            "--stream-backends trio,asyncio), (e) "
             "vLLM's AsyncMPClient with --vllm-python. Prints outputs/s, messages/s and "
             "the ratios b/a, c/a, b/e, d/b (f/c)."
         ),

@@ -104,13 +104,22 @@ class _TrioWakeup:
         return self._lowlevel.Abort.SUCCEEDED
 
     async def wait(self) -> None:
-        """Park until `set`; a checkpoint (cancellable: then nothing changed)."""
+        """Park until `set`; a checkpoint (cancellable: then nothing changed).
+
+        `Mailbox.__anext__` inlines the first waiter's park (see there); this is the
+        general path."""
         lowlevel = self._lowlevel
-        task = lowlevel.current_task()
         if self._task is None:
-            self._task = task
+            self._task = lowlevel.current_task()
             await lowlevel.wait_task_rescheduled(self._abort)
             return
+        await self._wait_more()
+
+    async def _wait_more(self) -> None:
+        # Apart from wait(): a closure's variables are cells made on every call of the
+        # function that holds them, and the common path has no use for them.
+        lowlevel = self._lowlevel
+        task = lowlevel.current_task()
         self._more.append(task)
 
         def abort(_raise_cancel: object) -> object:
@@ -168,6 +177,9 @@ class Mailbox(Generic[T]):
         # cancelled) must not hide the others still parked from the producer.
         self._waiting = 0
         self._check_cancelled: Callable[[], Awaitable[None]] | None = None  # on first use
+        # The trio wake-up's abort, bound once (a bound method per park is one more
+        # object alive while parked); held here, not by the wake-up: no reference cycle.
+        self._abort_park: Callable[[object], object] | None = None
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -196,6 +208,11 @@ class Mailbox(Generic[T]):
 
     def _take(self) -> T:
         return self._pending.popleft()
+
+    def _take_all(self) -> list[T]:
+        items = list(self._pending)
+        self._pending.clear()
+        return items
 
     def _at_end(self) -> bool:
         return self._ended
@@ -233,9 +250,20 @@ class Mailbox(Generic[T]):
             wakeup = self._wakeup
             if wakeup is _NOBODY:
                 wakeup = self._wakeup = _wakeup_for_backend()
+                if type(wakeup) is _TrioWakeup:
+                    self._abort_park = wakeup._abort
             self._waiting += 1
             try:
-                await wakeup.wait()
+                if type(wakeup) is _TrioWakeup and wakeup._task is None:
+                    # _TrioWakeup.wait, inlined: a parked consumer keeps its chain of
+                    # awaits alive until woken, and with thousands of streams those
+                    # objects outlive young collections and fill the older
+                    # generations (see docs/performance.md, issue 14's third pass).
+                    lowlevel = wakeup._lowlevel
+                    wakeup._task = lowlevel.current_task()
+                    await lowlevel.wait_task_rescheduled(self._abort_park)
+                else:
+                    await wakeup.wait()
             finally:
                 self._waiting -= 1
 
@@ -259,3 +287,22 @@ class Mailbox(Generic[T]):
             return await self.__anext__()
         except StopAsyncIteration:
             raise anyio.EndOfStream from None
+
+    async def receive_batch(self) -> list[T]:
+        """Every queued item, in order, waiting for one if none is (never empty).
+
+        One call, one cancellation check and at most one wake-up for however many
+        items are queued, where iteration pays them per item. Waits, yields and checks
+        for cancellation exactly as ``__anext__`` does; the rest is synchronous, so a
+        cancelled call consumed nothing. Raises ``anyio.EndOfStream`` after the last
+        item, or the error the mailbox was closed with once nothing is queued.
+        """
+        try:
+            first = await self.__anext__()
+        except StopAsyncIteration:
+            raise anyio.EndOfStream from None
+        if not self._pending:
+            return [first]
+        items = self._take_all()
+        items.insert(0, first)
+        return items

@@ -15,6 +15,7 @@ produced. A consumer that keeps up sees one output per engine step.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -36,15 +37,26 @@ _SPECIAL = frozenset(
 _KEEP_FIRST = frozenset(
     {"new_prompt_logprobs_tensors", "prefill_stats", "prompt_token_id_logprobs"}
 )
-_other_fields_cache: dict[type, tuple[str, ...]] = {}
+_other_fields_cache: dict[type, tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]] = {}
 
 
-def _other_fields(cls: type) -> tuple[str, ...]:
-    fields = _other_fields_cache.get(cls)
-    if fields is None:
+def _other_fields(cls: type) -> tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]:
+    """The fields merged by "newest non-nil wins", and a getter of their values as a
+    tuple (one C call: most outputs carry none of them, and a getattr per field was
+    the largest part of a merge)."""
+    cached = _other_fields_cache.get(cls)
+    if cached is None:
         names: tuple[str, ...] = getattr(cls, "__struct_fields__", ())
-        fields = _other_fields_cache[cls] = tuple(n for n in names if n not in _SPECIAL)
-    return fields
+        fields = tuple(n for n in names if n not in _SPECIAL)
+        if len(fields) >= 2:
+            getter: Callable[[Any], tuple[Any, ...]] = operator.attrgetter(*fields)
+        else:  # attrgetter of one name returns the value, not a tuple
+
+            def getter(obj: Any, fields: tuple[str, ...] = fields) -> tuple[Any, ...]:
+                return tuple(getattr(obj, n) for n in fields)
+
+        cached = _other_fields_cache[cls] = (fields, getter)
+    return cached
 
 
 def _concat_logprobs(parts: list[Any]) -> Any:
@@ -90,10 +102,12 @@ def _merge_into(a: Any, b: Any, lp_parts: list[Any] | None) -> list[Any] | None:
     nans = b.num_nans_in_logits
     if nans:
         a.num_nans_in_logits = (a.num_nans_in_logits or 0) + nans
-    for name in _other_fields(type(b)):
-        value = getattr(b, name)
-        if value is not None and not (name in _KEEP_FIRST and getattr(a, name) is not None):
-            setattr(a, name, value)
+    fields, getter = _other_fields(type(b))
+    values = getter(b)
+    if values.count(None) != len(values):
+        for name, value in zip(fields, values, strict=True):
+            if value is not None and not (name in _KEEP_FIRST and getattr(a, name) is not None):
+                setattr(a, name, value)
     return lp_parts
 
 
@@ -126,9 +140,15 @@ class RequestStream(Mailbox[EngineCoreOutput]):
     ``finish_reason``, or when the request was aborted through
     `abort_requests`.
 
+    ``await stream.receive_batch()`` returns every buffered output at once (in order,
+    at least one; ``anyio.EndOfStream`` after the final one): a consumer that lags
+    behind the engine then pays one call and one wake-up per batch instead of one per
+    output. ``receive`` and ``receive_nowait`` take one output, as ``__anext__`` does.
+
     Errors: `EngineDeadError` once the engine died and every output
-    that arrived before is consumed. Cancellation: a cancelled ``__anext__`` consumed
-    nothing; the next call returns the same output.
+    that arrived before is consumed. Cancellation: a cancelled ``__anext__``,
+    ``receive`` or ``receive_batch`` consumed nothing; the next call returns the same
+    outputs.
 
     Attributes:
         request_id: the id sent to the engine.
@@ -170,6 +190,16 @@ class RequestStream(Mailbox[EngineCoreOutput]):
         if self._received_final or self.aborted:
             return  # late output after finish/abort: ignore (docs/protocol.md §3.4)
         pending = self._pending
+        if not pending:
+            pending.append(output)
+            if output.finish_reason is not None:
+                self._received_final = True
+            # A parked consumer implies an empty queue (it looks right before it
+            # parks, and every put into an empty queue wakes it), so only this put can
+            # need a wake-up.
+            if self._waiting:
+                self._wakeup.set()
+            return
         if len(pending) >= self.max_pending:
             # Merge into the newest buffered output, in place: it is ours (decoded for
             # this stream alone) and the consumer has not seen it yet.
@@ -182,8 +212,6 @@ class RequestStream(Mailbox[EngineCoreOutput]):
             pending.append(output)
         if output.finish_reason is not None:
             self._received_final = True
-        if self._waiting:
-            self._wakeup.set()
 
     def _fail(self, error: Callable[[], BaseException]) -> None:
         self._close(error)
@@ -211,6 +239,18 @@ class RequestStream(Mailbox[EngineCoreOutput]):
             self.finish_reason = output.finish_reason
             self._done = True
         return output
+
+    def _take_all(self) -> list[EngineCoreOutput]:
+        outputs = list(self._pending)
+        self._pending.clear()
+        last = outputs[-1]
+        if self._lp_parts is not None:
+            _finish_merge(last, self._lp_parts)
+            self._lp_parts = None
+        if last.finish_reason is not None:  # nothing is queued after the final output
+            self.finish_reason = last.finish_reason
+            self._done = True
+        return outputs
 
     async def collect(self) -> list[int]:
         """Consume the rest of the stream and return all new token ids, concatenated."""
