@@ -172,3 +172,22 @@ def test_firehose_asyncio_streams_and_the_run_record(tmp_path: Path) -> None:
     assert machine["date"] in subtitle
     check_png(plots.plot_throughput(result, tmp_path))
     assert "| f: streams, 4 consumers, asyncio |" in plots.markdown({"firehose": result})
+
+
+@pytest.mark.timeout(120)
+def test_firehose_cases_subset() -> None:
+    # --cases runs only the named cases; the ratios of the missing ones are null, and
+    # the printed table does without the ceiling's column.
+    args = ["firehose", "--batch", "2", "--messages", "40", "--requests", "2", "--mode", "live"]
+    result = bench(*args, "--cases", "b,c", timeout=110)
+    (run,) = result["runs"]
+    assert set(run["live"]["cases"]) == {"b", "c"}
+    assert run["live"]["cpu_ratios"]["c/a"] is None
+    assert run["live"]["cpu_ratios"]["b/e"] is None
+    proc = subprocess.run(
+        [*CLI, *args, "--cases", "a,b", "-q"],
+        capture_output=True, text=True, timeout=110, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "b/a " in proc.stdout
+    assert "c  trio-vllm" not in proc.stdout

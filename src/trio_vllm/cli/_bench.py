@@ -147,6 +147,13 @@ def add_parser(commands: Any) -> None:
         "everything (the client's own capacity); default live,backlog",
     )
     fh.add_argument(
+        "--cases",
+        default="a,b,b+,c,d,e",
+        type=_choices("a", "b", "b+", "c", "d", "e"),
+        metavar="K[,K]",
+        help="cases to run (d: the stream cases d and f; e needs --vllm-python); default all",
+    )
+    fh.add_argument(
         "--profile",
         action="store_true",
         help="run each case under cProfile and print its top-10 (self time; also in the "

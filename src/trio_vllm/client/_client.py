@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypeVar, final
 
@@ -88,6 +89,8 @@ __all__ = [
 
 R = TypeVar("R")
 _default_ready_timeout = default_ready_timeout  # the name tests and callers know
+
+_monotonic = time.monotonic  # Mailbox's clock for its yield interval
 
 logger = logging.getLogger("trio_vllm.client")
 
@@ -388,7 +391,14 @@ class EngineCoreClient(NamedUtilities):
         session = self._session
         session.raw_called = True  # session.raw_api_used(), inlined: once per batch
         raw = self._raw
-        if raw._pending:  # nothing to wait for: no waiter to count
+        pending = raw._pending
+        if pending:  # nothing to wait for: no waiter to count
+            check = raw._check_cancelled
+            if check is not None and _monotonic() < raw._yield_due:
+                # Mailbox.__anext__'s buffered path, inlined (one per batch): the
+                # cancellation check only; a cancelled call consumed nothing.
+                await check()
+                return pending.popleft()
             return await raw.__anext__()  # never StopAsyncIteration: raw never ends
         session.raw_waiters += 1
         try:

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 import anyio
 import anyio.lowlevel
 
+from ._cancel import backend_check
+
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
@@ -40,18 +42,9 @@ T = TypeVar("T")
 YIELD_INTERVAL: Final = 0.001
 
 
-def _checkpoint_if_cancelled() -> Callable[[], Awaitable[None]]:
-    """The running backend's own cancellation check: on trio, trio's, skipping
-    anyio's two layers of dispatch (paid once per output on the buffered path).
-
-    trio is looked up, not imported: no trio task can run before trio is imported, and
-    the client must import where only anyio is installed (the in-process adapter runs in
-    vLLM's own interpreter, which has no trio)."""
-    trio = sys.modules.get("trio")
-    if trio is not None and trio.lowlevel.in_trio_task():
-        check: Callable[[], Awaitable[None]] = trio.lowlevel.checkpoint_if_cancelled
-        return check
-    return anyio.lowlevel.checkpoint_if_cancelled
+# The running backend's cancellation check (trio's own on trio; on asyncio a cheaper
+# read of anyio's scope state where that is safe): see _cancel.py.
+_checkpoint_if_cancelled: Final = backend_check
 
 
 class _Wakeup(Protocol):
@@ -148,7 +141,7 @@ class _AnyioWakeup:
 
 
 def _wakeup_for_backend() -> _Wakeup:
-    # Looked up, not imported, as in _checkpoint_if_cancelled.
+    # trio is looked up, not imported, as in _cancel.backend_check.
     trio = sys.modules.get("trio")
     if trio is not None and trio.lowlevel.in_trio_task():
         return _TrioWakeup(trio.lowlevel)

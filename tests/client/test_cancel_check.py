@@ -1,0 +1,117 @@
+"""The buffered paths' cancellation check (client/_cancel.py): the same answers as
+anyio's public ``checkpoint_if_cancelled`` in every scope arrangement, on both backends
+(on asyncio it reads anyio's scope state itself where that is known to be safe)."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from trio_vllm.client import _cancel
+from trio_vllm.client._mailbox import Mailbox
+
+pytestmark = pytest.mark.anyio
+
+
+async def _raises(check: object) -> bool:
+    """Whether awaiting ``check()`` delivered a cancellation (caught by the scope)."""
+    with anyio.CancelScope() as outer:
+        outer.cancel()
+        with anyio.CancelScope(shield=False):
+            await check()  # type: ignore[operator]
+    return outer.cancelled_caught
+
+
+async def test_not_cancelled_returns_without_yielding() -> None:
+    check = _cancel.backend_check()
+    ran: list[int] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: _append(ran))
+        for _ in range(3):
+            await check()
+        assert ran == []  # no checkpoint yielded to the started task
+        with anyio.CancelScope():
+            await check()
+        assert ran == []
+
+
+async def _append(ran: list[int]) -> None:
+    ran.append(1)
+
+
+async def test_cancelled_enclosing_scope_raises() -> None:
+    assert await _raises(_cancel.backend_check())
+    assert await _raises(anyio.lowlevel.checkpoint_if_cancelled)
+
+
+async def test_nested_arrangements_match_anyio() -> None:
+    check = _cancel.backend_check()
+    public = anyio.lowlevel.checkpoint_if_cancelled
+    for shield_middle in (False, True):
+        for cancel_inner in (False, True):
+            results = []
+            for fn in (check, public):
+                with anyio.CancelScope() as outer:
+                    outer.cancel()
+                    with anyio.CancelScope(shield=shield_middle):
+                        with anyio.CancelScope() as inner:
+                            if cancel_inner:
+                                inner.cancel()
+                            await fn()
+                            results.append("returned")
+                if outer.cancelled_caught or inner.cancelled_caught:
+                    results.append("cancelled")
+            assert results[: len(results) // 2] == results[len(results) // 2 :], (
+                shield_middle,
+                cancel_inner,
+                results,
+            )
+            expect_cancel = cancel_inner or not shield_middle
+            assert ("cancelled" in results) == expect_cancel
+
+
+async def test_other_task_with_the_same_check() -> None:
+    # One check object (one mailbox) used from two tasks: the second task's own
+    # scopes decide, not what the first task's call saw.
+    check = _cancel.backend_check()
+    await check()
+    caught: list[bool] = []
+
+    async def other() -> None:
+        caught.append(await _raises(check))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other)
+    assert caught == [True]
+    await check()  # back in the first task, not cancelled
+
+
+async def test_buffered_mailbox_call_cancelled_consumes_nothing() -> None:
+    box: Mailbox[int] = Mailbox()
+    box._put(1)
+    box._put(2)
+    assert await box.receive() == 1  # starts the interval: the next call only checks
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await box.receive()
+    assert scope.cancelled_caught
+    assert await box.receive() == 2
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_unknown_anyio_falls_back_to_the_public_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_cancel, "_KNOWN_ANYIO", ((0, 0), (0, 0)))
+    monkeypatch.setattr(_cancel, "_probed", False)
+    monkeypatch.setattr(_cancel, "_states", None)
+    assert _cancel.asyncio_check() is anyio.lowlevel.checkpoint_if_cancelled
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_state_read_is_used_exactly_for_known_anyio() -> None:
+    low, high = _cancel._KNOWN_ANYIO
+    version = _cancel._anyio_version()
+    known = version is not None and low <= version <= high
+    uses_public = _cancel.asyncio_check() is anyio.lowlevel.checkpoint_if_cancelled
+    assert uses_public is not known
