@@ -384,12 +384,17 @@ class OpenAIServer:
                     if plan.stream:
                         await send(_SSE_START)
                         outcome.started = True
-                    async for out in stream:
-                        timing.output(out)
-                        events = responder.on_output(0, out)
-                        if out.finished:
+                    # Everything the stream has ready goes out in one ASGI send (one
+                    # pass through hypercorn's send path and the socket), one SSE event
+                    # per output as the engine made them.
+                    while outs := await stream.next_batch():
+                        for out in outs:
+                            timing.output(out)
+                        events = responder.on_outputs(0, outs)
+                        if outs[-1].finished:
                             last = events
-                        elif events:
+                            break
+                        if events:
                             await send(
                                 {"type": "http.response.body", "body": events, "more_body": True}
                             )

@@ -596,6 +596,15 @@ class _Responder:
         self.choices = [_Choice() for _ in range(plan.n * len(plan.prompts))]
         self.prompt_tokens = [len(p["prompt_token_ids"]) for p in plan.prompts]
 
+    def on_output(self, prompt_idx: int, res: RequestOutput) -> bytes:
+        raise NotImplementedError
+
+    def on_outputs(self, prompt_idx: int, outs: Sequence[RequestOutput]) -> bytes:
+        """`on_output` of each output in turn: their SSE events, concatenated."""
+        if len(outs) == 1:
+            return self.on_output(prompt_idx, outs[0])
+        return b"".join([self.on_output(prompt_idx, out) for out in outs])
+
     @property
     def completion_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices)
