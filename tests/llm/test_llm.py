@@ -278,3 +278,60 @@ async def test_engine_death_raises_from_the_stream(
     with pytest.raises(tv.EngineDeadError):
         async with llm.generate("ab", greedy(max_tokens=3)):
             pass  # pragma: no cover
+
+
+def _client_stream_done(stream: Any) -> bool:
+    # The client stream got the final output: everything the engine made is buffered.
+    child = stream._children[0].stream
+    return child is not None and child.finished
+
+
+@pytest.mark.reference_engines(**ENGINES)
+async def test_next_batch_gives_every_buffered_output_unmerged(
+    reference_engines: ReferenceEngineSet,
+) -> None:
+    llm = LLM(reference_engines.client, model=MODEL_DIR)
+    prompt = "abcdefgh"
+    n = 12
+    params = greedy(max_tokens=n, output_kind=RequestOutputKind.DELTA)
+    async with llm.generate(prompt, params) as stream:
+        with anyio.fail_after(30):
+            while not _client_stream_done(stream):  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        batch = await stream.next_batch()
+        # One output per engine step (one token each), in order; only the last finished.
+        assert [o.outputs[0].token_ids for o in batch] == [[b] for b in prompt.encode() * 2][:n]
+        assert "".join(o.outputs[0].text for o in batch) == echo_text(prompt, n)
+        assert [o.finished for o in batch] == [False] * (n - 1) + [True]
+        assert await stream.next_batch() == []
+    # __anext__ merges the same backlog into one output (DELTA: concatenated).
+    async with llm.generate(prompt, params) as stream:
+        with anyio.fail_after(30):
+            while not _client_stream_done(stream):  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        outs = [out async for out in stream]
+        assert len(outs) == 1
+        assert outs[0].outputs[0].text == echo_text(prompt, n)
+    assert llm.num_requests == 0
+
+
+@pytest.mark.reference_engines(model="echo", extra_args=("--step-interval-ms", "20"))
+async def test_next_batch_cancelled_consumes_nothing(
+    reference_engines: ReferenceEngineSet,
+) -> None:
+    llm = LLM(reference_engines.client, model=MODEL_DIR)
+    params = greedy(max_tokens=LONG, output_kind=RequestOutputKind.DELTA)
+    async with llm.generate("xy", params) as stream:
+        first = await stream.next_batch()
+        assert first
+        assert not first[-1].finished
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await stream.next_batch()  # cancelled at its first checkpoint
+        got: list[int] = [t for o in first for t in o.outputs[0].token_ids]
+        while len(got) < 6:
+            got.extend(t for o in await stream.next_batch() for t in o.outputs[0].token_ids)
+        assert got[:6] == list(b"xyxyxy")
+    control = reference_engines.controls[0]
+    assert (await control.wait_idle(within=15.0)).requests == 0
+    assert llm.num_requests == 0

@@ -219,10 +219,33 @@ class RequestOutputStream:
     async def __anext__(self) -> RequestOutput:
         if self._pending:
             await anyio.lowlevel.checkpoint_if_cancelled()
-            return self._take()
+        elif not await self._fill():
+            raise StopAsyncIteration
+        return self._take()
+
+    async def next_batch(self) -> list[RequestOutput]:
+        """Every output ready now, in order and not merged; ``[]`` once the stream is over.
+
+        Waits for the first output as ``__anext__`` does, then takes what the engine
+        already sent without waiting again, so a caller that sends per wakeup (an HTTP
+        server) can write all of them at once while each stays its own output. Outputs
+        the client stream coalesced because the caller lagged behind by ``max_pending``
+        engine steps come as one, as they do from ``__anext__``. Cancellation and errors
+        as ``__anext__``: a cancelled call consumed nothing.
+        """
+        if self._pending:
+            await anyio.lowlevel.checkpoint_if_cancelled()
+        elif not await self._fill():
+            return []
+        batch = list(self._pending)
+        self._pending.clear()
+        return batch
+
+    async def _fill(self) -> bool:
+        """Wait until outputs are pending (``True``) or the stream is over (``False``)."""
         while True:
             if self.finished or self._closed:
-                raise StopAsyncIteration
+                return False
             receive = self._receive
             if receive is None:
                 # One engine request: read its client stream here (the hot path).
@@ -251,7 +274,7 @@ class RequestOutputStream:
                 else:
                     raise value
             if self._pending:
-                return self._take()
+                return True
 
     def _take(self) -> RequestOutput:
         # Outputs that piled up while the caller was busy go out as one, merged as

@@ -384,12 +384,16 @@ class OpenAIServer:
                     if plan.stream:
                         await send(_SSE_START)
                         outcome.started = True
-                    async for out in stream:
-                        timing.output(out)
-                        events = responder.on_output(0, out)
-                        if out.finished:
+                    # Everything the stream has ready goes out in one ASGI send (one
+                    # pass through hypercorn's send path and the socket), one SSE event
+                    # per output as the engine made them.
+                    while outs := await stream.next_batch():
+                        timing.outputs(outs)
+                        events = responder.on_outputs(0, outs)
+                        if outs[-1].finished:
                             last = events
-                        elif events:
+                            break
+                        if events:
                             await send(
                                 {"type": "http.response.body", "body": events, "more_body": True}
                             )
@@ -498,17 +502,31 @@ class _Timing:
         self.reason = "abort"
 
     def output(self, out: RequestOutput) -> None:
+        self.outputs((out,))
+
+    def outputs(self, outs: Sequence[RequestOutput]) -> None:
+        """Outputs taken together: the first with tokens is timed, the others of the
+        batch came with it (inter-token latency 0 here)."""
+        with_tokens = 0
+        for out in outs:
+            for o in out.outputs:
+                if o.token_ids:
+                    with_tokens += 1
+                    break
+            for o in out.outputs:
+                if o.finish_reason is not None:
+                    self.reason = o.finish_reason
+        if not with_tokens:
+            return
         now = time.perf_counter()
-        if any(o.token_ids for o in out.outputs):
-            if self.first:
-                self.first = False
-                self.metrics.first_token(now - self.received)
-            else:
-                self.metrics.inter_token(now - self.last)
-            self.last = now
-        for o in out.outputs:
-            if o.finish_reason is not None:
-                self.reason = o.finish_reason
+        if self.first:
+            self.first = False
+            self.metrics.first_token(now - self.received)
+        else:
+            self.metrics.inter_token(now - self.last)
+        if with_tokens > 1:
+            self.metrics.inter_token(0.0, with_tokens - 1)
+        self.last = now
 
     def finished(self, responder: CompletionResponder | ChatResponder) -> None:
         self.metrics.finished(

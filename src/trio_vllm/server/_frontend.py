@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterable, Mapping, Sequence
+    from collections.abc import AsyncIterator, Mapping, Sequence
     from contextlib import AbstractAsyncContextManager
 
     from .._exceptions import EngineDeadError
     from ..protocol import SamplingParams
     from ..text import ChatMessage, Prompt, RequestOutput, SamplingDefaults
 
-__all__ = ["EngineClientLike", "TextFrontend", "TokenizerLike"]
+__all__ = ["EngineClientLike", "OutputStreamLike", "TextFrontend", "TokenizerLike"]
 
 
 class TokenizerLike(Protocol):
@@ -33,6 +33,15 @@ class EngineClientLike(Protocol):
     def live_requests(self) -> list[str]: ...
 
     async def wait_dead(self) -> EngineDeadError: ...
+
+
+class OutputStreamLike(Protocol):
+    """A request's outputs: ``async for`` yields them (merged when the caller lagged);
+    ``next_batch`` gives every output ready now, unmerged (``[]`` at the end)."""
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def next_batch(self) -> list[RequestOutput]: ...
 
 
 class TextFrontend(Protocol):
@@ -63,7 +72,7 @@ class TextFrontend(Protocol):
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-    ) -> AbstractAsyncContextManager[AsyncIterable[RequestOutput]]: ...
+    ) -> AbstractAsyncContextManager[OutputStreamLike]: ...
 
     def render_chat(
         self,

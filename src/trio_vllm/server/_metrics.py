@@ -8,10 +8,14 @@ endpoint and status. ``prometheus_client`` is imported when an app is built, nev
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
     from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics_core import Metric
 
 __all__ = ["ServerMetrics"]
 
@@ -70,13 +74,13 @@ class ServerMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         ).labels(**labels)
-        self._itl = Histogram(
+        self._itl = _CountsHistogram(
             "vllm:inter_token_latency_seconds",
             "Time between consecutive outputs of a request.",
-            ["model_name"],
-            buckets=_ITL_BUCKETS,
-            registry=r,
-        ).labels(**labels)
+            model_name,
+            _ITL_BUCKETS,
+        )
+        r.register(self._itl)
         self._e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "Time from receiving the request to its last output.",
@@ -98,8 +102,9 @@ class ServerMetrics:
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)
 
-    def inter_token(self, seconds: float) -> None:
-        self._itl.observe(seconds)
+    def inter_token(self, seconds: float, count: int = 1) -> None:
+        """``count`` observations of ``seconds`` (a batch's outputs after its first: 0)."""
+        self._itl.observe(seconds, count)
 
     def finished(self, reason: str, prompt_tokens: int, generated: int, seconds: float) -> None:
         self._success.labels(self._model, reason).inc()
@@ -112,3 +117,40 @@ class ServerMetrics:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _CountsHistogram:
+    """A histogram as plain bucket counts, collected by the registry: observed once per
+    engine output, where ``prometheus_client``'s takes a lock and walks its buckets per
+    observation. Written and collected on the event loop's thread only."""
+
+    def __init__(self, name: str, documentation: str, model_name: str,
+                 buckets: Sequence[float]) -> None:  # fmt: skip
+        self.name = name
+        self.documentation = documentation
+        self.model_name = model_name
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: +Inf only
+        self.sum = 0.0
+
+    def observe(self, seconds: float, count: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, seconds)] += count
+        self.sum += seconds * count
+
+    def describe(self) -> list[Metric]:
+        from prometheus_client.core import HistogramMetricFamily
+
+        return [HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])]
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import HistogramMetricFamily
+
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
+        cumulative = 0
+        buckets: list[tuple[str, float]] = []
+        for bound, count in zip([*self.bounds, float("inf")], self.counts, strict=True):
+            cumulative += count
+            # As prometheus_client writes ``le`` for these bounds (repr; "+Inf").
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        family.add_metric([self.model_name], buckets, self.sum)
+        yield family

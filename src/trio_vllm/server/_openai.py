@@ -59,6 +59,10 @@ __all__ = [
 ]
 
 DONE = b"data: [DONE]\n\n"
+# Stands for a chunk's text while its event template is built: a NUL (JSON-escaped,
+# so it never equals an escaped id or model by accident) and a per-process nonce.
+_MARK = f"\x00trio-vllm-{uuid.uuid4().hex}"
+_MARK_JSON = encode(_MARK)
 _LOGPROB_FLOOR = -9999.0  # vLLM clamps -inf to this (JSON has no infinity)
 _COMPLETION_MAX_TOKENS = 16  # CompletionRequest.max_tokens' default
 _DEFAULT_MAX_CHARS_PER_TOKEN = 64  # bound on prompt characters per allowed token
@@ -472,6 +476,17 @@ def plan_chat(
 # ----------------------------------------------------------------------------- responses
 
 
+def _template(chunk: object) -> tuple[bytes, bytes] | None:
+    """The SSE event of ``chunk`` split around its text (``_MARK``): the event for any
+    text is ``head + encode(text) + tail``, byte for byte what encoding the chunk with
+    that text gives; ``None`` if the mark does not occur exactly once."""
+    event = b"data: " + encode(chunk) + b"\n\n"
+    if event.count(_MARK_JSON) != 1:
+        return None
+    head, _, tail = event.partition(_MARK_JSON)
+    return head, tail
+
+
 def _decoded(tokenizer: TokenizerLike, token_id: int, logprob: Logprob | None) -> str:
     if logprob is not None and logprob.decoded_token is not None:
         return logprob.decoded_token
@@ -595,6 +610,26 @@ class _Responder:
         self.fingerprint = fingerprint
         self.choices = [_Choice() for _ in range(plan.n * len(plan.prompts))]
         self.prompt_tokens = [len(p["prompt_token_ids"]) for p in plan.prompts]
+        # The common chunk (text only, not the last) as prebuilt bytes around its text,
+        # per choice: one string encode per token instead of building and encoding
+        # three structs. None where a request's chunks carry more (logprobs, token
+        # ids, continuous usage).
+        self.use_templates = (
+            plan.stream
+            and plan.logprobs is None
+            and not plan.return_token_ids
+            and not plan.continuous_usage
+        )
+        self._templates: dict[int, tuple[bytes, bytes] | None] = {}
+
+    def on_output(self, prompt_idx: int, res: RequestOutput) -> bytes:
+        raise NotImplementedError
+
+    def on_outputs(self, prompt_idx: int, outs: Sequence[RequestOutput]) -> bytes:
+        """`on_output` of each output in turn: their SSE events, concatenated."""
+        if len(outs) == 1:
+            return self.on_output(prompt_idx, outs[0])
+        return b"".join([self.on_output(prompt_idx, out) for out in outs])
 
     @property
     def completion_tokens(self) -> int:
@@ -629,6 +664,17 @@ class CompletionResponder(_Responder):
             if not plan.stream:
                 choice.add(out, True)
                 continue
+            if (
+                self.use_templates
+                and out.finish_reason is None
+                and (plan.echo_texts is None or self._echoed[i])
+                and (out.text or out.token_ids or choice.num_tokens)
+            ):
+                template = self._completion_template(i)
+                if template is not None:
+                    choice.add(out, False)
+                    events.append(template[0] + encode(out.text) + template[1])
+                    continue
             text = out.text
             token_ids: Sequence[int] = out.token_ids
             steps: Sequence[Mapping[int, Logprob] | None] | None = out.logprobs
@@ -680,6 +726,18 @@ class CompletionResponder(_Responder):
                 chunk.usage = StreamUsage(p, p + choice.num_tokens, choice.num_tokens)
             events.append(b"data: " + encode(chunk) + b"\n\n")
         return b"".join(events)
+
+    def _completion_template(self, i: int) -> tuple[bytes, bytes] | None:
+        try:
+            return self._templates[i]
+        except KeyError:
+            plan = self.plan
+            chunk = CompletionStreamResponse(
+                plan.request_id, "text_completion", plan.created, plan.model,
+                [CompletionStreamChoice(i, _MARK, None, None, None, None, None)],
+            )  # fmt: skip
+            template = self._templates[i] = _template(chunk)
+            return template
 
     def finish(self) -> bytes:
         """The end of the stream (usage chunk if asked, ``[DONE]``), or the JSON body."""
@@ -792,6 +850,16 @@ class ChatResponder(_Responder):
             if not plan.stream:
                 choice.add(out, True)
                 continue
+            if (
+                self.use_templates
+                and out.finish_reason is None
+                and (out.text or out.token_ids or choice.num_tokens)
+            ):
+                template = self._chat_template(i)
+                if template is not None:
+                    choice.add(out, False)
+                    events.append(template[0] + encode(out.text) + template[1])
+                    continue
             logprobs = None
             if plan.logprobs is not None:
                 logprobs = chat_logprobs(
@@ -819,6 +887,18 @@ class ChatResponder(_Responder):
                 chunk.usage = StreamUsage(p, p + choice.num_tokens, choice.num_tokens)
             events.append(b"data: " + encode(chunk) + b"\n\n")
         return b"".join(events)
+
+    def _chat_template(self, i: int) -> tuple[bytes, bytes] | None:
+        try:
+            return self._templates[i]
+        except KeyError:
+            # As the general path builds a text chunk without token ids.
+            chunk = self._chunk(
+                ChatCompletionStreamChoice(i, ChatDelta(content=_MARK), None, None,
+                                           token_ids=None)
+            )  # fmt: skip
+            template = self._templates[i] = _template(chunk)
+            return template
 
     def finish(self) -> bytes:
         plan = self.plan
