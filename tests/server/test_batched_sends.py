@@ -135,3 +135,38 @@ async def test_disconnect_during_a_batched_send_aborts(frontend: LLM) -> None:
                      or frontend.client.live_requests),
         timeout=20,
     )
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_merge_outputs_sends_what_piled_up_as_one_event(frontend: LLM, path: str) -> None:
+    app = OpenAIServer(frontend, merge_outputs=True)
+    request: dict[str, Any] = {"max_tokens": 12, "stream": True, "temperature": 0}
+    if path == "/v1/completions":
+        request["prompt"] = prompt = "abcdefgh"
+    else:
+        request["messages"] = [{"role": "user", "content": "abcdefgh"}]
+        prompt, _ = frontend.render_chat(request["messages"])
+    expected = (prompt * 2).encode()[:12].decode()
+    body = json.dumps(request).encode()
+    messages: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        messages.append(message)
+        if message["type"] == "http.response.start":
+            await wait_until(lambda: _client_stream(frontend).finished, timeout=30)
+
+    with anyio.fail_after(60):
+        await app(_scope(path, body), _receive(body, anyio.Event()), send)
+    events = sse_events(b"".join(m.get("body", b"") for m in messages[1:]))
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    if path == "/v1/chat/completions":
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        chunks = chunks[1:]
+        texts = [c["choices"][0]["delta"]["content"] for c in chunks]
+    else:
+        texts = [c["choices"][0]["text"] for c in chunks]
+    # The whole buffered answer, merged: one event, the finishing one.
+    assert texts == [expected]
+    assert chunks[0]["choices"][0]["finish_reason"] == "length"
+    assert app.open_requests == []

@@ -89,6 +89,12 @@ def add_parser(commands: Any) -> None:
         help="when the engines die keep serving /health (503) and errors instead of "
         "exiting with status 1",
     )
+    h.add_argument(
+        "--merge-outputs",
+        action="store_true",
+        help="streaming: send the tokens that piled up while a connection was busy as one "
+        "SSE event, as vllm serve does (default: one event per engine output)",
+    )
     h.add_argument("--access-log", action="store_true", help="log every request (hypercorn)")
     e = add_engine_arguments(
         p,
@@ -198,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
                 max_body_bytes=body_limit,
                 shutdown_grace=grace,
                 keep_serving_on_engine_death=args.keep_serving_on_engine_death,
+                merge_outputs=args.merge_outputs,
                 access_log=args.access_log,
                 generation_config=args.generation_config,
                 override_generation_config=args.override_generation_config,

@@ -223,20 +223,23 @@ class RequestOutputStream:
             raise StopAsyncIteration
         return self._take()
 
-    async def next_batch(self) -> list[RequestOutput]:
+    async def next_batch(self, *, merge: bool = False) -> list[RequestOutput]:
         """Every output ready now, in order and not merged; ``[]`` once the stream is over.
 
         Waits for the first output as ``__anext__`` does, then takes what the engine
         already sent without waiting again, so a caller that sends per wakeup (an HTTP
         server) can write all of them at once while each stays its own output. Outputs
         the client stream coalesced because the caller lagged behind by ``max_pending``
-        engine steps come as one, as they do from ``__anext__``. Cancellation and errors
-        as ``__anext__``: a cancelled call consumed nothing.
+        engine steps come as one, as they do from ``__anext__``. With ``merge``, what is
+        ready comes merged into one output, as ``__anext__`` gives it. Cancellation and
+        errors as ``__anext__``: a cancelled call consumed nothing.
         """
         if self._pending:
             await anyio.lowlevel.checkpoint_if_cancelled()
         elif not await self._fill():
             return []
+        if merge:
+            return [self._take()]
         batch = list(self._pending)
         self._pending.clear()
         return batch

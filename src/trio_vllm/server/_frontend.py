@@ -37,11 +37,12 @@ class EngineClientLike(Protocol):
 
 class OutputStreamLike(Protocol):
     """A request's outputs: ``async for`` yields them (merged when the caller lagged);
-    ``next_batch`` gives every output ready now, unmerged (``[]`` at the end)."""
+    ``next_batch`` gives every output ready now, unmerged unless ``merge`` (``[]`` at
+    the end)."""
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
 
-    async def next_batch(self) -> list[RequestOutput]: ...
+    async def next_batch(self, *, merge: bool = False) -> list[RequestOutput]: ...
 
 
 class TextFrontend(Protocol):

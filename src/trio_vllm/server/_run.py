@@ -37,6 +37,7 @@ async def run_openai_server(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     keep_serving_on_engine_death: bool = False,
+    merge_outputs: bool = False,
     handle_signals: bool = True,
     access_log: bool = False,
     generation_config: str | os.PathLike[str] = "auto",
@@ -56,7 +57,7 @@ async def run_openai_server(
     to stop. ``task_status.started(app)`` hands out the app once it listens
     (``app.port`` is the bound port). ``generation_config`` and
     ``override_generation_config`` are `open_llm`'s (vLLM's ``--generation-config`` and
-    ``--override-generation-config``).
+    ``--override-generation-config``); ``merge_outputs`` is `OpenAIServer`'s.
 
     Raises:
         EngineStartupError: the engines did not start.
@@ -108,6 +109,7 @@ async def run_openai_server(
                 api_keys=api_keys,
                 max_body_bytes=max_body_bytes,
                 model_root=None if model is None else str(model),
+                merge_outputs=merge_outputs,
             )
 
             async def watch_engines() -> None:
