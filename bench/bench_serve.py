@@ -43,9 +43,11 @@ with content per request (``len(itls) + 1`` from the detailed results), plus rat
 trio/vllm and trio/vllm-rs.
 
     python bench/bench_serve.py --vllm-python PY [--concurrency 1,16,64,256]
-        [--servers trio,vllm,vllm-rs] [--setting frontend-bound|stock-engine]
+        [--servers trio,trio-merge,vllm,vllm-rs] [--setting frontend-bound|stock-engine]
         [--baseline REV] [--json OUT]
 
+``trio-merge`` (opt-in in ``--servers``) is ``trio-vllm serve --merge-outputs``: what a
+busy connection piled up goes out as one SSE event, as vLLM's API server sends it.
 ``--baseline REV`` adds ``trio-base``: ``trio-vllm serve`` from that revision's
 ``src/`` (``git archive``), on the same engine build, for an A/B in one run.
 
@@ -144,7 +146,7 @@ def _frontend_command(
             *pin, sys.executable, "-m", "trio_vllm.cli", "serve", "--model", str(MODEL),
             "--served-model-name", SERVED, "--port", str(port),
             "--connect", f"tcp://127.0.0.1:{rpc_port}", "--engines", "1",
-            "--ready-timeout", "900",
+            "--ready-timeout", "900", *(["--merge-outputs"] if name == "trio-merge" else []),
         ]  # fmt: skip
     # vLLM's frontends build their config from the engine arguments: the same as the
     # engine's in the stock-engine setting.

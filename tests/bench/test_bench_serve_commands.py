@@ -61,3 +61,9 @@ def test_reference_engine_connects_to_the_handshake(bs: Any) -> None:
     assert cmd[:3] == ["taskset", "-c", bs._other_cores()]
     assert "trio_vllm.reference_engine" in cmd
     assert cmd[cmd.index("--handshake-address") + 1] == "tcp://127.0.0.1:9000"
+
+
+def test_trio_merge_is_our_server_with_merged_outputs(bs: Any) -> None:
+    merged = bs._frontend_command("trio-merge", "/vllm/python", 8000, 9000, False)
+    plain = bs._frontend_command("trio", "/vllm/python", 8000, 9000, False)
+    assert merged == [*plain, "--merge-outputs"]
