@@ -126,6 +126,15 @@ _SLOW = ["--engine-args=--step-interval-ms 5"]  # 300 tokens take >= 1.5 s
 _SLOWER = ["--engine-args=--step-interval-ms 20"]
 
 
+async def test_the_startup_heap_is_frozen_before_serving(anyio_backend: str) -> None:
+    # As vllm serve's freeze_gc_heap: the collector never walks the startup heap again.
+    async with cli_server() as server:
+        frozen = re.search(rb"startup heap frozen: (\d+) objects", server.stderr)
+        assert frozen is not None, server.stderr.decode(errors="replace")
+        assert int(frozen.group(1)) > 10_000  # imports, tokenizer, hypercorn: a real heap
+        assert server.stderr.index(frozen.group(0)) < _SERVING.search(server.stderr).start()
+
+
 async def test_sigterm_drains_running_requests_then_exits_0(anyio_backend: str) -> None:
     async with cli_server(*_SLOW, "--shutdown-grace", "30") as server:
         (engine,) = server.engine_pids()

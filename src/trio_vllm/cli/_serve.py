@@ -205,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
                 shutdown_grace=grace,
                 keep_serving_on_engine_death=args.keep_serving_on_engine_death,
                 merge_outputs=args.merge_outputs,
+                freeze_gc=True,
                 access_log=args.access_log,
                 generation_config=args.generation_config,
                 override_generation_config=args.override_generation_config,

@@ -38,6 +38,7 @@ async def run_openai_server(
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     keep_serving_on_engine_death: bool = False,
     merge_outputs: bool = False,
+    freeze_gc: bool = False,
     handle_signals: bool = True,
     access_log: bool = False,
     generation_config: str | os.PathLike[str] = "auto",
@@ -57,7 +58,10 @@ async def run_openai_server(
     to stop. ``task_status.started(app)`` hands out the app once it listens
     (``app.port`` is the bound port). ``generation_config`` and
     ``override_generation_config`` are `open_llm`'s (vLLM's ``--generation-config`` and
-    ``--override-generation-config``); ``merge_outputs`` is `OpenAIServer`'s.
+    ``--override-generation-config``); ``merge_outputs`` is `OpenAIServer`'s. With ``freeze_gc`` the
+    startup heap (imports, tokenizer, engines' handshake) is collected once and frozen
+    (``gc.freeze()``) when the server listens, as ``vllm serve`` does: the collector
+    then never walks it again while serving. The process keeps it frozen.
 
     Raises:
         EngineStartupError: the engines did not start.
@@ -143,9 +147,22 @@ async def run_openai_server(
                 tg.start_soon(watch_engines)
                 app.port = await tg.start(serve)
                 serving = True
+                if freeze_gc:
+                    _freeze_startup_heap()
                 logger.info("serving %s on http://%s:%d", app.model_names[0], host, app.port)
                 task_status.started(app)
                 await served.wait()  # hypercorn returned: drained (or cancelled), closed
                 tg.cancel_scope.cancel()
         outer.cancel_scope.cancel()
     return exit_code
+
+
+def _freeze_startup_heap() -> None:
+    # vLLM's freeze_gc_heap: every generation collected first, so that only what
+    # survives (the long-lived startup heap) is frozen.
+    import gc
+
+    for generation in (0, 1, 2):
+        gc.collect(generation)
+    gc.freeze()
+    logger.info("startup heap frozen: %d objects (gc.freeze, as vllm serve)", gc.get_freeze_count())
