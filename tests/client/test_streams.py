@@ -48,6 +48,20 @@ def test_coalesce_merges_deltas() -> None:
     assert merged.new_logprobs.sampled_token_ranks.shape == (3,)
 
 
+def test_coalesce_keeps_newest_ndarray_fields() -> None:
+    """Fields holding arrays (routed_experts, pooling_output) are tested for nil by
+    identity: an ndarray's ``== None`` is elementwise and has no truth value."""
+    experts = np.arange(6, dtype=np.int32).reshape(2, 3)
+    merged = coalesce_outputs(_out([1]), _out([2], 1, routed_experts=experts))
+    assert merged.routed_experts is experts
+    assert merged.new_token_ids == [1, 2]
+    stream = RequestStream("r", 0, max_pending=1)
+    stream._deliver(_out([1]))
+    stream._deliver(_out([2], routed_experts=experts))  # merged in the receive task
+    assert stream.coalesced == 1
+    assert stream._pending[-1].routed_experts is experts
+
+
 async def test_stream_bounded_and_lossless() -> None:
     stream = RequestStream("r", 0, max_pending=3)
     for i in range(100):
