@@ -185,7 +185,7 @@ async def test_waiting_consumer_is_woken_by_failure() -> None:
         await anyio.sleep(0.05)
         stream._fail(lambda: EngineDeadError("x"))
 
-    with anyio.fail_after(2):
+    with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(fail_later)
             with pytest.raises(EngineDeadError):
