@@ -109,7 +109,7 @@ async def test_stop_sigterm_then_sigkill_and_reap_group() -> None:
     assert 0.25 < elapsed < 5
     assert proc.returncode == -signal.SIGKILL
     assert _gone(proc.pid)
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         while True:
             try:
                 os.kill(grandchild, 0)
@@ -205,7 +205,7 @@ async def test_stop_kills_children_that_outlive_the_launcher_after_the_grace(
     await proc.stop(grace=0.5)
     elapsed = time.monotonic() - start
     assert 0.45 < elapsed < 5, elapsed
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         while _running(child):  # noqa: ASYNC110 - not our child: nothing to wait on
             await anyio.sleep(0.02)
     assert not await anyio.Path(marker).exists()

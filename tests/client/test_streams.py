@@ -48,6 +48,20 @@ def test_coalesce_merges_deltas() -> None:
     assert merged.new_logprobs.sampled_token_ranks.shape == (3,)
 
 
+def test_coalesce_keeps_newest_ndarray_fields() -> None:
+    """Fields holding arrays (routed_experts, pooling_output) are tested for nil by
+    identity: an ndarray's ``== None`` is elementwise and has no truth value."""
+    experts = np.arange(6, dtype=np.int32).reshape(2, 3)
+    merged = coalesce_outputs(_out([1]), _out([2], 1, routed_experts=experts))
+    assert merged.routed_experts is experts
+    assert merged.new_token_ids == [1, 2]
+    stream = RequestStream("r", 0, max_pending=1)
+    stream._deliver(_out([1]))
+    stream._deliver(_out([2], routed_experts=experts))  # merged in the receive task
+    assert stream.coalesced == 1
+    assert stream._pending[-1].routed_experts is experts
+
+
 async def test_stream_bounded_and_lossless() -> None:
     stream = RequestStream("r", 0, max_pending=3)
     for i in range(100):
@@ -171,7 +185,7 @@ async def test_waiting_consumer_is_woken_by_failure() -> None:
         await anyio.sleep(0.05)
         stream._fail(lambda: EngineDeadError("x"))
 
-    with anyio.fail_after(2):
+    with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(fail_later)
             with pytest.raises(EngineDeadError):
@@ -412,3 +426,87 @@ async def test_mailbox_receive_batch_and_end() -> None:
     assert await box.receive_batch() == [0, 1, 2]
     with pytest.raises(anyio.EndOfStream):
         await box.receive_batch()
+
+
+@pytest.mark.parametrize("batch", [False, True])
+@pytest.mark.parametrize("deliver_first", [False, True])
+async def test_cancel_racing_the_wake_up_loses_nothing(batch: bool, deliver_first: bool) -> None:
+    """A parked consumer woken and cancelled in the same step, in either order: it
+    returns the output or consumes nothing (on trio the abort runs only while still
+    parked), it is no longer counted as waiting, and the next call gets the rest."""
+    stream = RequestStream("r", 0)
+    got: list[int] = []
+
+    async def consume() -> None:
+        if batch:
+            got.extend(t for out in await stream.receive_batch() for t in out.new_token_ids)
+        else:
+            got.extend((await stream.receive()).new_token_ids)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await anyio.wait_all_tasks_blocked()
+            assert stream._waiting == 1
+            if deliver_first:
+                stream._deliver(_out([1]))
+                tg.cancel_scope.cancel()
+            else:
+                tg.cancel_scope.cancel()
+                stream._deliver(_out([1]))
+            stream._deliver(_out([2], 1))
+        assert stream._waiting == 0
+        async for out in stream:
+            got.extend(out.new_token_ids)
+    assert got == [1, 2]
+    assert stream.finish_reason == 1
+
+
+async def test_receive_batch_parked_when_the_engine_dies() -> None:
+    """Parked, then an output and the death in one step: the batch first, then the
+    error; after a final output, the end of the stream and not the error."""
+    stream = RequestStream("r", 0)
+    got: list[list[int]] = []
+    errors: list[BaseException] = []
+
+    async def consume() -> None:
+        got.append([t for out in await stream.receive_batch() for t in out.new_token_ids])
+        try:
+            await stream.receive_batch()
+        except EngineDeadError as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await anyio.wait_all_tasks_blocked()
+            stream._deliver(_out([1]))
+            stream._deliver(_out([2]))
+            stream._fail(lambda: EngineDeadError("gone"))
+        assert got == [[1, 2]]
+        assert len(errors) == 1
+        assert not stream._waiting
+
+        empty = RequestStream("r", 0)
+        errors.clear()
+
+        async def consume_empty() -> None:
+            try:
+                await empty.receive_batch()
+            except EngineDeadError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume_empty)
+            await anyio.wait_all_tasks_blocked()
+            empty._fail(lambda: EngineDeadError("gone"))  # woken by the error alone
+        assert len(errors) == 1
+        assert not empty._waiting
+
+        final = RequestStream("r", 0)
+        final._deliver(_out([3]))
+        final._deliver(_out([4], 1))
+        final._fail(lambda: EngineDeadError("gone"))
+        assert [out.new_token_ids for out in await final.receive_batch()] == [[3], [4]]
+        with pytest.raises(anyio.EndOfStream):
+            await final.receive_batch()

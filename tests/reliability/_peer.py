@@ -123,7 +123,7 @@ class Peer:
     async def wait_for(self, count: int) -> list[Any]:
         """Wait until at least ``count`` messages arrived; return them all (give up
         after 5 s)."""
-        with anyio.fail_after(5):
+        with anyio.fail_after(30):
             while len(self.received) + len(self.undecodable) < count:
                 self.arrived = anyio.Event()
                 await self.arrived.wait()
@@ -206,7 +206,7 @@ async def serving(
                 for peer in peers:
                     tg.start_soon(peer.serve, source if where is None else where)
                 async with open_client(source, **client_options) as client:
-                    with anyio.fail_after(5):
+                    with anyio.fail_after(30):
                         for peer in peers:
                             await peer.ready.wait()
                     yield client

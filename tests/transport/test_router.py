@@ -29,7 +29,7 @@ async def _router_with_peer(
     peer.setsockopt(zmq.RCVHWM, hwm)
     peer.connect(router.bind_ipc())
     peer.send(b"hello")
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         assert await router.receive() == [b"peer", b"hello"]
     return router, peer
 
@@ -43,7 +43,7 @@ async def _connect_other_peer(ctx: zmq.Context[Any], router: AsyncSocket) -> zmq
     assert isinstance(endpoint, bytes)
     other.connect(endpoint.decode())
     other.send(b"hello")
-    with anyio.fail_after(5):
+    with anyio.fail_after(30):
         assert await router.receive() == [b"other", b"hello"]
     return other
 
@@ -51,7 +51,7 @@ async def _connect_other_peer(ctx: zmq.Context[Any], router: AsyncSocket) -> zmq
 async def test_send_to_unknown_identity_raises(ctx: zmq.Context[Any]) -> None:
     router, peer = await _router_with_peer(ctx)
     try:
-        with anyio.fail_after(5):
+        with anyio.fail_after(30):
             with pytest.raises(UnroutableError, match="nobody"):
                 await router.send([b"nobody", b"x"])
             with pytest.raises(UnroutableError):
@@ -81,7 +81,7 @@ async def test_send_many_stops_before_an_unroutable_message(ctx: zmq.Context[Any
 async def test_router_mandatory_can_be_turned_off(ctx: zmq.Context[Any]) -> None:
     with AsyncSocket.create(ctx, zmq.ROUTER, router_mandatory=False) as router:
         router.bind_ipc()
-        with anyio.fail_after(5):
+        with anyio.fail_after(30):
             await router.send([b"nobody", b"silently dropped"])
 
 

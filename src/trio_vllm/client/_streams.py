@@ -104,10 +104,16 @@ def _merge_into(a: Any, b: Any, lp_parts: list[Any] | None) -> list[Any] | None:
         a.num_nans_in_logits = (a.num_nans_in_logits or 0) + nans
     fields, getter = _other_fields(type(b))
     values = getter(b)
-    if values.count(None) != len(values):
-        for name, value in zip(fields, values, strict=True):
-            if value is not None and not (name in _KEEP_FIRST and getattr(a, name) is not None):
-                setattr(a, name, value)
+    # Nil by identity, not values.count(None): that compares with ==, and an
+    # ndarray's (routed_experts, pooling_output) is elementwise, with no truth value.
+    for value in values:
+        if value is not None:
+            break
+    else:
+        return lp_parts
+    for name, value in zip(fields, values, strict=True):
+        if value is not None and not (name in _KEEP_FIRST and getattr(a, name) is not None):
+            setattr(a, name, value)
     return lp_parts
 
 
