@@ -92,11 +92,11 @@ def add_parser(commands: Any) -> None:
         help="output throughput vs the raw ceiling and vLLM's AsyncMPClient",
         description=(
             "Reference engine in firehose mode. Cases: (a) blocking pyzmq + decoder, "
-            "(b) get_output on trio, (c) on asyncio, (d) per-request streams with C "
-            "consumers on trio (d+: consumers calling receive_batch; f: on asyncio, with "
-            "--stream-backends trio,asyncio), (e) "
-            "vLLM's AsyncMPClient with --vllm-python. Prints outputs/s, messages/s and "
-            "the ratios b/a, c/a, b/e, d/b (f/c)."
+            "(b) get_output on trio (b+: draining with get_output_nowait after each), (c) "
+            "on asyncio, (d) per-request streams with C consumers on trio (d+: consumers "
+            "calling receive_batch; f: on asyncio, with --stream-backends trio,asyncio), "
+            "(e) vLLM's AsyncMPClient with --vllm-python. Prints outputs/s, messages/s "
+            "and the ratios b/a, b+/a, c/a, b/e, e/a, d/b, d+/b (f/c)."
         ),
     )
     fh.add_argument(
@@ -151,7 +151,7 @@ def add_parser(commands: Any) -> None:
         default="a,b,b+,c,d,e",
         type=_choices("a", "b", "b+", "c", "d", "e"),
         metavar="K[,K]",
-        help="cases to run (d: the stream cases d and f; e needs --vllm-python); default all",
+        help="cases to run (d: the stream cases d, d+ and f; e needs --vllm-python); default all",
     )
     fh.add_argument(
         "--profile",
