@@ -72,7 +72,9 @@ class RequestOutputStream:
     Obtained from ``async with llm.generate(...) as stream`` (or ``llm.chat``). Outputs
     follow the request's ``output_kind``: CUMULATIVE (default) and DELTA after every
     engine step that changed something, FINAL_ONLY once at the end with all ``n``
-    completions. Iteration stops after the output with ``finished`` true.
+    completions. Iteration stops after the output with ``finished`` true. Outputs that
+    piled up while the caller was busy come from ``__anext__`` as one, merged as vLLM's
+    ``RequestOutputCollector`` merges them; `next_batch` takes them unmerged.
 
     Errors: `EngineDeadError` once the engine died (outputs that
     arrived before are delivered first). Cancellation: a cancelled ``__anext__``
@@ -228,11 +230,17 @@ class RequestOutputStream:
 
         Waits for the first output as ``__anext__`` does, then takes what the engine
         already sent without waiting again, so a caller that sends per wakeup (an HTTP
-        server) can write all of them at once while each stays its own output. Outputs
-        the client stream coalesced because the caller lagged behind by ``max_pending``
-        engine steps come as one, as they do from ``__anext__``. With ``merge``, what is
-        ready comes merged into one output, as ``__anext__`` gives it. Cancellation and
-        errors as ``__anext__``: a cancelled call consumed nothing.
+        server) can write all of them at once while each stays its own output. With one
+        engine request (``n == 1``) that is what its client stream has buffered, up to
+        64 engine outputs a call; with ``n > 1`` a call takes one child's engine output
+        (the children's pumps hand them over one at a time). Outputs the client stream
+        coalesced because the caller lagged behind by ``max_pending`` engine steps come
+        as one, as they do from ``__anext__``. With ``merge``, what is ready comes merged
+        into one output (a one-element list), as ``__anext__`` gives it.
+
+        Errors as ``__anext__``: `EngineDeadError` once the engine died and the outputs
+        that arrived before were taken. Cancellation: a cancelled call consumed nothing;
+        the next call returns the same outputs.
         """
         if self._pending:
             await anyio.lowlevel.checkpoint_if_cancelled()
