@@ -111,7 +111,8 @@ class OpenAIServer:
         merge_outputs: a streaming request's outputs that piled up while its
             connection was busy go out as one SSE event, as vLLM's API server sends
             them, instead of one event per engine output (the default). Fewer, larger
-            events: less CPU per request under load, coarser timing for the client.
+            events: less CPU per request under load, coarser timing for the client. A
+            completions request with a list of prompts is merged per prompt either way.
 
     The app is safe to call concurrently from any number of connections; on trio and
     on asyncio. `mark_dead` (the runner calls it when the engines die) turns
