@@ -58,10 +58,11 @@ async def run_openai_server(
     to stop. ``task_status.started(app)`` hands out the app once it listens
     (``app.port`` is the bound port). ``generation_config`` and
     ``override_generation_config`` are `open_llm`'s (vLLM's ``--generation-config`` and
-    ``--override-generation-config``); ``merge_outputs`` is `OpenAIServer`'s. With ``freeze_gc`` the
-    startup heap (imports, tokenizer, engines' handshake) is collected once and frozen
-    (``gc.freeze()``) when the server listens, as ``vllm serve`` does: the collector
-    then never walks it again while serving. The process keeps it frozen.
+    ``--override-generation-config``); ``merge_outputs`` is `OpenAIServer`'s. With
+    ``freeze_gc`` the startup heap (imports, tokenizer, engines' handshake) is collected
+    once and frozen (``gc.freeze()``) when the server listens, as ``vllm serve`` does:
+    the collector then never walks it again while serving. The process keeps it frozen
+    after the call returns (``trio-vllm serve`` always passes it).
 
     Raises:
         EngineStartupError: the engines did not start.
