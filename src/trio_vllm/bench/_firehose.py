@@ -9,7 +9,7 @@ b. trio-vllm's raw batch API (``add_request`` + ``get_output``) on trio; ``b+`` 
    same, draining what is queued with ``get_output_nowait`` after each ``get_output``;
 c. the same on asyncio (through anyio);
 d. one ``generate`` stream per request, one consumer task each, with C concurrent
-   consumers (default 256 and 4096), on trio (``d256+``: each consumer takes every
+   consumers (default 256 and 4096), on trio (``d<N>+``: each consumer takes every
    buffered output per call with ``receive_batch``); ``f`` the same on asyncio (with
    ``--stream-backends trio,asyncio``; it was ``bench/bench_client.py``'s stream case);
 e. with ``--vllm-python``: vLLM's own ``AsyncMPClient`` in that python, reading a
