@@ -7,14 +7,17 @@ end against real engine processes and report figures that are consistent.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from ._scripts import load_script
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 CLI = [sys.executable, "-m", "trio_vllm.cli", "bench"]
 
@@ -32,16 +35,10 @@ def bench(*args: str, timeout: float = 110) -> dict[str, Any]:
     return result
 
 
-PLOTS = Path(__file__).parents[2] / "bench" / "plots.py"
 
 
 def load_plots() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_plots", PLOTS)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("plots.py", "bench_plots")
 
 
 def check_png(path: Path) -> None:

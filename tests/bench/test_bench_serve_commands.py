@@ -8,24 +8,18 @@ no timing.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCH_SERVE = Path(__file__).parents[2] / "bench" / "bench_serve.py"
+from ._scripts import load_script
+
 FRONTENDS = ("trio", "trio-base", "vllm", "vllm-rs")
 
 
 @pytest.fixture(scope="module")
 def bs() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_serve", BENCH_SERVE)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_serve.py", "bench_serve")
 
 
 @pytest.mark.parametrize("stock", [False, True], ids=["frontend-bound", "stock-engine"])

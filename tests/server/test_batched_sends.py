@@ -61,11 +61,14 @@ def _receive(body: bytes, disconnect: anyio.Event) -> Callable[[], Any]:
     return receive
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-async def test_buffered_outputs_go_out_in_one_send(frontend: LLM, path: str) -> None:
-    app = OpenAIServer(frontend)
-    request: dict[str, Any] = {"max_tokens": 12, "stream": True, "temperature": 0,
-                               "stream_options": {"include_usage": True}}
+async def _answer_held_until_buffered(
+    frontend: LLM, path: str, *, merge_outputs: bool, **fields: Any
+) -> tuple[list[dict[str, Any]], list[str], list[Any], str, OpenAIServer]:
+    """One 12-token streaming request whose task is held at the response head until
+    the engine's whole answer is buffered: the messages sent, the content chunks' texts
+    (chat: after the role chunk, checked), every SSE event, the text expected, the app."""
+    app = OpenAIServer(frontend, merge_outputs=merge_outputs)
+    request: dict[str, Any] = {"max_tokens": 12, "stream": True, "temperature": 0, **fields}
     if path == "/v1/completions":
         request["prompt"] = prompt = "abcdefgh"
     else:
@@ -79,25 +82,33 @@ async def test_buffered_outputs_go_out_in_one_send(frontend: LLM, path: str) -> 
     async def send(message: dict[str, Any]) -> None:
         messages.append(message)
         if message["type"] == "http.response.start":
-            # Hold the request task until the engine's whole answer is buffered.
             await wait_until(lambda: _client_stream(frontend).finished, timeout=30)
 
     with anyio.fail_after(60):
         await app(_scope(path, body), _receive(body, anyio.Event()), send)
-    assert [m["type"] for m in messages] == ["http.response.start", "http.response.body"]
-    assert not messages[1].get("more_body", False)
-    events = sse_events(messages[1]["body"])
+    events = sse_events(b"".join(m.get("body", b"") for m in messages[1:]))
     assert events[-1] == "[DONE]"
-    usage = events[-2]
-    assert usage["choices"] == []
-    assert usage["usage"]["completion_tokens"] == 12
-    chunks = events[:-2]
+    chunks = [e for e in events[:-1] if e["choices"]]
     if path == "/v1/chat/completions":
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         chunks = chunks[1:]
         texts = [c["choices"][0]["delta"]["content"] for c in chunks]
     else:
         texts = [c["choices"][0]["text"] for c in chunks]
+    return messages, texts, chunks, expected, app
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_buffered_outputs_go_out_in_one_send(frontend: LLM, path: str) -> None:
+    messages, texts, chunks, expected, app = await _answer_held_until_buffered(
+        frontend, path, merge_outputs=False, stream_options={"include_usage": True}
+    )
+    assert [m["type"] for m in messages] == ["http.response.start", "http.response.body"]
+    assert not messages[1].get("more_body", False)
+    events = sse_events(messages[1]["body"])
+    usage = events[-2]
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 12
     # One event per token, in order, the last one finishing.
     assert len(chunks) == 12
     assert "".join(texts) == expected
@@ -139,33 +150,9 @@ async def test_disconnect_during_a_batched_send_aborts(frontend: LLM) -> None:
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_merge_outputs_sends_what_piled_up_as_one_event(frontend: LLM, path: str) -> None:
-    app = OpenAIServer(frontend, merge_outputs=True)
-    request: dict[str, Any] = {"max_tokens": 12, "stream": True, "temperature": 0}
-    if path == "/v1/completions":
-        request["prompt"] = prompt = "abcdefgh"
-    else:
-        request["messages"] = [{"role": "user", "content": "abcdefgh"}]
-        prompt, _ = frontend.render_chat(request["messages"])
-    expected = (prompt * 2).encode()[:12].decode()
-    body = json.dumps(request).encode()
-    messages: list[dict[str, Any]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        messages.append(message)
-        if message["type"] == "http.response.start":
-            await wait_until(lambda: _client_stream(frontend).finished, timeout=30)
-
-    with anyio.fail_after(60):
-        await app(_scope(path, body), _receive(body, anyio.Event()), send)
-    events = sse_events(b"".join(m.get("body", b"") for m in messages[1:]))
-    assert events[-1] == "[DONE]"
-    chunks = events[:-1]
-    if path == "/v1/chat/completions":
-        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-        chunks = chunks[1:]
-        texts = [c["choices"][0]["delta"]["content"] for c in chunks]
-    else:
-        texts = [c["choices"][0]["text"] for c in chunks]
+    _, texts, chunks, expected, app = await _answer_held_until_buffered(
+        frontend, path, merge_outputs=True
+    )
     # The whole buffered answer, merged: one event, the finishing one.
     assert texts == [expected]
     assert chunks[0]["choices"][0]["finish_reason"] == "length"
