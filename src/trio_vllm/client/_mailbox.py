@@ -42,10 +42,6 @@ T = TypeVar("T")
 YIELD_INTERVAL: Final = 0.001
 
 
-# The running backend's cancellation check (trio's own on trio; on asyncio a cheaper
-# read of anyio's scope state where that is safe): see _cancel.py.
-_checkpoint_if_cancelled: Final = backend_check
-
 
 class _Wakeup(Protocol):
     def set(self) -> None: ...
@@ -221,7 +217,9 @@ class Mailbox(Generic[T]):
             if time.monotonic() < self._yield_due:
                 check = self._check_cancelled
                 if check is None:
-                    check = self._check_cancelled = _checkpoint_if_cancelled()
+                    # The running backend's cancellation check (trio's own on trio; on
+                    # asyncio a cheaper read of anyio's scope state where that is safe).
+                    check = self._check_cancelled = backend_check()
                 await check()
                 return self._take()
             await anyio.lowlevel.checkpoint()

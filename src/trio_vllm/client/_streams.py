@@ -247,15 +247,11 @@ class RequestStream(Mailbox[EngineCoreOutput]):
         return output
 
     def _take_all(self) -> list[EngineCoreOutput]:
-        outputs = list(self._pending)
-        self._pending.clear()
-        last = outputs[-1]
-        if self._lp_parts is not None:
-            _finish_merge(last, self._lp_parts)
-            self._lp_parts = None
-        if last.finish_reason is not None:  # nothing is queued after the final output
-            self.finish_reason = last.finish_reason
-            self._done = True
+        # Only the last output needs _take's bookkeeping (a pending merge, the final
+        # output: nothing is queued after it).
+        pending = self._pending
+        outputs = [pending.popleft() for _ in range(len(pending) - 1)]
+        outputs.append(self._take())
         return outputs
 
     async def collect(self) -> list[int]:
