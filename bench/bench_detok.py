@@ -232,9 +232,7 @@ def _table(run: dict[str, Any]) -> str:
             f"  {key:10s} {c['tokens']:8,d} {c['tokens_per_cpu_s']:13,.0f} "
             f"{c['tokens_per_s']:10,.0f} {c['cpu_s']:7.3f}"
         )
-    ratios = ", ".join(
-        f"{k} {v:.2f}" for k, v in run["ratios"].items() if v is not None
-    )
+    ratios = ", ".join(f"{k} {v:.2f}" for k, v in run["ratios"].items() if v is not None)
     lines.append(f"  ratios (tokens per CPU-second): {ratios}")
     for key, why in run["errors"].items():
         lines.append(f"  case {key} failed: {why.splitlines()[0] if why else '?'}")

@@ -66,8 +66,9 @@ def _ceiling(tok: Tokenizer, prompt: list[int], streams: list[list[int]]) -> int
     return n
 
 
-def _detokenizer(tok: Tokenizer, prompt: list[int], streams: list[list[int]],
-                 params: SamplingParams) -> int:
+def _detokenizer(
+    tok: Tokenizer, prompt: list[int], streams: list[list[int]], params: SamplingParams
+) -> int:
     n = 0
     for ids in streams:
         d = IncrementalDetokenizer.for_request(tok, prompt, params)
@@ -86,8 +87,11 @@ def _output_processor(tok: Tokenizer, prompt: list[int], streams: list[list[int]
     n = 0
     for i, ids in enumerate(streams):
         rid = f"r{i}"
-        proc.add_request(EngineCoreRequest(rid, prompt_token_ids=prompt, sampling_params=params,
-                                           external_req_id=rid))
+        proc.add_request(
+            EngineCoreRequest(
+                rid, prompt_token_ids=prompt, sampling_params=params, external_req_id=rid
+            )
+        )
         for token_id in ids:
             proc.process_outputs([EngineCoreOutput(rid, new_token_ids=[token_id])])
         proc.abort_requests([rid], internal=True)
@@ -153,14 +157,19 @@ print("@@" + json.dumps(best))
 """
 
 
-def _run_vllm(python: str, model: str, prompt: list[int], streams: list[list[int]],
-              rounds: int) -> dict[str, float]:
+def _run_vllm(
+    python: str, model: str, prompt: list[int], streams: list[list[int]], rounds: int
+) -> dict[str, float]:
     import os
     import subprocess
 
     proc = subprocess.run(
-        [python, "-c", _VLLM_SCRIPT], input=json.dumps([model, prompt, streams, rounds]),
-        capture_output=True, text=True, timeout=600, check=True,
+        [python, "-c", _VLLM_SCRIPT],
+        input=json.dumps([model, prompt, streams, rounds]),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
         env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"},
     )
     result: dict[str, float] = json.loads(proc.stdout[proc.stdout.rindex("@@") + 2 :])
@@ -213,8 +222,12 @@ def main() -> None:
                 "ratio": round(theirs[name] / theirs["ceiling"], 3),
             }
         result["vllm_ceiling"] = {"tokens_per_cpu_s": round(theirs["ceiling"]), "ratio": 1.0}
-    result["_meta"] = {"model": args.model, "streams": len(streams),  # type: ignore[dict-item]
-                       "tokens_per_stream": len(body), "rounds": args.rounds}
+    result["_meta"] = {
+        "model": args.model,
+        "streams": len(streams),  # type: ignore[dict-item]
+        "tokens_per_stream": len(body),
+        "rounds": args.rounds,
+    }
     if args.json:
         print(json.dumps(result, indent=2))
         return

@@ -50,8 +50,11 @@ async def run_case(engines: int, requests: int, tokens: int) -> dict[str, float 
         wall = time.perf_counter() - wall0
         cpu = time.process_time() - cpu0
     spread = "/".join(str(ranks[r]) for r in sorted(ranks))
-    return {"req_s": requests / wall, "cpu_us_per_token": 1e6 * cpu / max(outputs, 1),
-            "spread": spread}
+    return {
+        "req_s": requests / wall,
+        "cpu_us_per_token": 1e6 * cpu / max(outputs, 1),
+        "spread": spread,
+    }
 
 
 def main() -> None:
@@ -62,15 +65,19 @@ def main() -> None:
     parser.add_argument("--backend", default="trio", choices=["trio", "asyncio"])
     args = parser.parse_args()
     anchor = anyio.run(run_case, 1, args.requests, args.tokens, backend=args.backend)
-    print(f"anchor  1 engine : {anchor['req_s']:8.0f} req/s  "
-          f"{anchor['cpu_us_per_token']:6.1f} us CPU/token  spread {anchor['spread']}")
+    print(
+        f"anchor  1 engine : {anchor['req_s']:8.0f} req/s  "
+        f"{anchor['cpu_us_per_token']:6.1f} us CPU/token  spread {anchor['spread']}"
+    )
     for n in args.engines:
         case = anyio.run(run_case, n, args.requests, args.tokens, backend=args.backend)
         ratio = float(case["req_s"]) / float(anchor["req_s"])
         cpu_ratio = float(case["cpu_us_per_token"]) / float(anchor["cpu_us_per_token"])
-        print(f"case   {n:2d} engines: {case['req_s']:8.0f} req/s  "
-              f"{case['cpu_us_per_token']:6.1f} us CPU/token  spread {case['spread']}  "
-              f"ratio {ratio:.2f}  cpu ratio {cpu_ratio:.2f}")
+        print(
+            f"case   {n:2d} engines: {case['req_s']:8.0f} req/s  "
+            f"{case['cpu_us_per_token']:6.1f} us CPU/token  spread {case['spread']}  "
+            f"ratio {ratio:.2f}  cpu ratio {cpu_ratio:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def run_anchor(batch: int, seconds: float) -> dict[str, Any]:
         pull.close()
         ctx.term()
         with contextlib.suppress(OSError):
-            os.unlink(addr[len("ipc://"):])
+            os.unlink(addr[len("ipc://") :])
     return {"msgs_per_s": n / seconds, "outputs_per_s": n * batch / seconds, "bytes": size}
 
 
@@ -167,7 +167,7 @@ def run_engine(args: list[str], requests: int, batch: int, seconds: float) -> di
         ctx.term()
         for address in addrs.values():
             with contextlib.suppress(OSError):
-                os.unlink(address[len("ipc://"):])
+                os.unlink(address[len("ipc://") :])
     return {"msgs_per_s": n / seconds, "outputs_per_s": n * batch / seconds, "bytes": size}
 
 

@@ -288,8 +288,12 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,16,64,256")
     parser.add_argument("--backends", default="openai,openai-chat")
     parser.add_argument("--servers", default="trio,vllm,vllm-rs")
-    parser.add_argument("--prompts-per-concurrency", type=int, default=4,
-                        help="num-prompts = max(200, this x concurrency)")
+    parser.add_argument(
+        "--prompts-per-concurrency",
+        type=int,
+        default=4,
+        help="num-prompts = max(200, this x concurrency)",
+    )
     parser.add_argument("--min-prompts", type=int, default=200,
                         help="at least this many prompts per case (default 200)")  # fmt: skip
     parser.add_argument("--rs-path", type=Path, default=RS_DEFAULT)

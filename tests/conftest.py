@@ -14,9 +14,7 @@ if TYPE_CHECKING:
 # hypothesis's 200 ms deadline, or the first examples' generation past its "too slow"
 # health check. Both would fail a test that is correct. Tests that set their own
 # settings inherit this for what they leave out.
-settings.register_profile(
-    "trio-vllm", deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+settings.register_profile("trio-vllm", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("trio-vllm")
 
 

@@ -116,8 +116,15 @@ def _is_default(struct: msgspec.Struct, name: str) -> bool:
 def _torch_name(dtype: str) -> str:
     # A tensor decoded without torch may be an ndarray: compare dtypes by torch name.
     return {
-        "<f8": "float64", "<f4": "float32", "<f2": "float16", "<i8": "int64", "<i4": "int32",
-        "<i2": "int16", "|i1": "int8", "|u1": "uint8", "|b1": "bool",
+        "<f8": "float64",
+        "<f4": "float32",
+        "<f2": "float16",
+        "<i8": "int64",
+        "<i4": "int32",
+        "<i2": "int16",
+        "|i1": "int8",
+        "|u1": "uint8",
+        "|b1": "bool",
     }.get(dtype, dtype)
 
 
@@ -289,7 +296,7 @@ def _compare_frames(encoded: Sequence[Any], frames: Sequence[bytes], what: str) 
             at = min(len(g), len(w)) if at is None else at
             raise Mismatch(
                 f"{what}: frame {i} differs at byte {at} (ours {len(g)} bytes "
-                f"{g[at:at + 8].hex()}..., vLLM's {len(w)} bytes {w[at:at + 8].hex()}...)"
+                f"{g[at : at + 8].hex()}..., vLLM's {len(w)} bytes {w[at : at + 8].hex()}...)"
             )
 
 
@@ -341,9 +348,7 @@ def _check_input(profile: ProtocolProfile, frames: list[bytes], value: Any) -> N
         decoded_args: list[Any] = list(message.args)
         if message.method == "add_lora" and decoded_args:
             decoded_args[0] = engine.convert_lora_request(decoded_args[0])
-        compare_value(
-            value, [message.client_index, message.call_id, message.method, decoded_args]
-        )
+        compare_value(value, [message.client_index, message.call_id, message.method, decoded_args])
     elif isinstance(message, StartDPWave):
         compare_value(value, [message.wave, message.exclude_engine_index])
     else:

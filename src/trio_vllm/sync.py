@@ -61,6 +61,7 @@ T = TypeVar("T")
 # Outputs one portal round trip fetches at most (see _next_batch).
 _MAX_BATCH: Final = 1024
 
+
 async def _next_batch(stream: RequestStream) -> list[EngineCoreOutput]:
     """The next output (waiting for it) and every output already buffered after it, in
     order; ``[]`` after the last one. One portal round trip then serves a whole batch
@@ -305,9 +306,7 @@ class SyncClient(NamedUtilities):
             # exit: cancels whatever portal task is left, e.g. a startup or a generate()
             # whose caller was interrupted, so that joining the thread cannot hang.
             stack.callback(_stop_portal, portal)
-            client = stack.enter_context(
-                portal.wrap_async_context_manager(self._open())
-            )
+            client = stack.enter_context(portal.wrap_async_context_manager(self._open()))
         except BaseException:
             stack.close()
             raise

@@ -35,8 +35,6 @@ def bench(*args: str, timeout: float = 110) -> dict[str, Any]:
     return result
 
 
-
-
 def load_plots() -> Any:
     return load_script("plots.py", "bench_plots")
 

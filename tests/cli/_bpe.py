@@ -34,9 +34,7 @@ def write_bpe_model_dir(path: Path, *, vocab_size: int = 400) -> str:
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS, trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", 1)]
-    )
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     files = {

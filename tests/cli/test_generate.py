@@ -199,8 +199,10 @@ def test_token_prompt_and_seeded_sampling_is_reproducible() -> None:
         (("--prompt-token-ids", "300,2"), "Token id 300 is out of vocabulary"),
         (("--chat", "--prompt-token-ids", "1,2"), "--chat takes text prompts"),
         (("hi", "--system", "x"), "--system goes with --chat"),
-        (("hi", "--engine", "vllm", "--model", "/nonexistent", "--vllm-python", "py"),
-         "cannot load the tokenizer"),
+        (
+            ("hi", "--engine", "vllm", "--model", "/nonexistent", "--vllm-python", "py"),
+            "cannot load the tokenizer",
+        ),
     ],
 )
 def test_usage_errors_exit_2(args: tuple[str, ...], message: str) -> None:

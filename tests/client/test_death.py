@@ -132,7 +132,8 @@ async def test_kill_wakes_every_waiter_promptly() -> None:
                 # Every waiter is blocked: the request and the call are sent (and stay
                 # unanswered), each task reached its wait.
                 while not (  # noqa: ASYNC110 - no event for "sent"
-                    len(blocking) == 4 and client.live_requests
+                    len(blocking) == 4
+                    and client.live_requests
                     and client.pending_utility_calls == 1
                 ):
                     await anyio.sleep(0.01)
@@ -163,8 +164,10 @@ async def test_death_before_any_request_is_noticed() -> None:
             error = await client.wait_dead()
         noticed_at = time.monotonic()
         delay = noticed_at - observable()
-        print(f"death noticed {delay * 1000:.1f} ms after the exit, no request sent "
-              f"(specified: {PROMPT_S * 1000:.0f} ms)")
+        print(
+            f"death noticed {delay * 1000:.1f} ms after the exit, no request sent "
+            f"(specified: {PROMPT_S * 1000:.0f} ms)"
+        )
         assert delay < PROMPT_GUARD_S
         assert error.rank == 0
         again = client.dead_error()

@@ -70,9 +70,7 @@ class Snapshot:
         # depends on how many jobs happened to overlap, so idle ones are a cache, not a leak.
         names = thread_names()
         idle = {name for name in names if _IDLE_TRIO_WORKER.fullmatch(name)}
-        return cls(
-            live_tasks(), names - idle, os_threads() - len(idle), open_fds(), child_pids()
-        )
+        return cls(live_tasks(), names - idle, os_threads() - len(idle), open_fds(), child_pids())
 
     async def assert_nothing_left(self, pids: list[int], ipc_paths: list[str]) -> None:
         after = await Snapshot.take()

@@ -147,9 +147,11 @@ async def test_a_joins_late_answer_after_it_gave_up_is_dropped(
         async with open_client(ExternalEngines(first, count=1), ready_timeout=60) as client:
             # It gets its init metadata at once, then loads for 3 s: longer than the join waits.
             control_address = ipc.endpoint("control")
-            await start(*_engine_command(
-                joining, 1, "--startup-delay", "3", "--control-address", control_address
-            ))
+            await start(
+                *_engine_command(
+                    joining, 1, "--startup-delay", "3", "--control-address", control_address
+                )
+            )
             # Its interpreter is up (the control socket is bound right before HELLO):
             # on a loaded machine its startup alone could outlast the 1.5 s join, and
             # an engine that never got the init metadata never answers late.

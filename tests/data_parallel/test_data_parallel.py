@@ -51,9 +51,7 @@ async def test_2000_requests_spread_evenly_and_aborts_reach_only_the_owner() -> 
         async def one(i: int) -> None:
             prompt = [i % 50 + 1]
             abort = i % 10 == 0
-            request = make_request(
-                prompt, max_tokens=LONG if abort else 4, request_id=f"r{i}"
-            )
+            request = make_request(prompt, max_tokens=LONG if abort else 4, request_id=f"r{i}")
             async with client.generate(request) as stream:
                 served[request.request_id] = stream.rank
                 await go.wait()
@@ -349,9 +347,7 @@ async def test_engine_core_dead_from_one_of_two_sources(mode: Any) -> None:
 
 @pytest.mark.parametrize("mode", ["fail", "continue"])
 async def test_a_rank_that_dies_while_draining_is_a_death(mode: Any) -> None:
-    async with open_client(
-        CountingEngines(2), ready_timeout=60, on_engine_death=mode
-    ) as client:
+    async with open_client(CountingEngines(2), ready_timeout=60, on_engine_death=mode) as client:
         with anyio.fail_after(30):
             async with client.generate(
                 make_request([4], max_tokens=LONG, request_id="x"), rank=1

@@ -82,9 +82,7 @@ def test_sync_llm_uses_the_generation_config(tmp_path: Path) -> None:
         chat = llm.chat_final([{"role": "user", "content": "hi"}])
         assert len(chat.outputs[0].token_ids) == 5
     engines = tv.ReferenceEngines(model="echo")
-    with tv.SyncLLM(
-        engines, model=model, override_generation_config={"max_new_tokens": 2}
-    ) as llm:
+    with tv.SyncLLM(engines, model=model, override_generation_config={"max_new_tokens": 2}) as llm:
         assert llm.generate_final("hello world").outputs[0].text == "he"
     with tv.SyncLLM(engines, model=model, generation_config="vllm") as llm:
         assert llm.generate_final("hello world").outputs[0].text == "hello worldhello"

@@ -134,9 +134,7 @@ async def test_leaving_early_aborts_every_child(reference_engines: ReferenceEngi
 @pytest.mark.reference_engines(**ENGINES)
 async def test_n_with_seed_and_min_tokens(reference_engines: ReferenceEngineSet) -> None:
     llm = LLM(reference_engines.client, model=MODEL_DIR)
-    params = tv.SamplingParams(
-        max_tokens=8, n=2, temperature=1.0, seed=7, stop=["b"], min_tokens=3
-    )
+    params = tv.SamplingParams(max_tokens=8, n=2, temperature=1.0, seed=7, stop=["b"], min_tokens=3)
     out = await llm.generate_final("ab", params)
     assert [c.index for c in out.outputs] == [0, 1]
     for c in out.outputs:

@@ -72,8 +72,9 @@ def _live(client: Any) -> list[str]:
 
 def test_bad_model_dir_fails_before_any_engine_starts(tmp_path: Any) -> None:
     engines = tv.ReferenceEngines(model="echo")
-    with pytest.raises((FileNotFoundError, ValueError)), tv.SyncLLM(
-        engines, model=tmp_path / "missing"
+    with (
+        pytest.raises((FileNotFoundError, ValueError)),
+        tv.SyncLLM(engines, model=tmp_path / "missing"),
     ):
         pass  # pragma: no cover
     assert MODEL_DIR  # the default needs no model argument

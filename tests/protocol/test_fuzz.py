@@ -140,8 +140,10 @@ msgpack_values = st.recursive(
     | st.text(max_size=8)
     | st.binary(max_size=8)
     | st.builds(msgspec.msgpack.Ext, st.integers(-128, 127), st.binary(max_size=8)),
-    lambda inner: st.lists(inner, max_size=6)
-    | st.dictionaries(st.text(max_size=4) | st.integers(-3, 3), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=6)
+        | st.dictionaries(st.text(max_size=4) | st.integers(-3, 3), inner, max_size=4)
+    ),
     max_leaves=25,
 )
 
@@ -268,8 +270,20 @@ def test_tensor_triples(index: int, shape: list[int], dtype: str, data: Any) -> 
     payload: Any = data if isinstance(data, int) else msgspec.msgpack.Ext(3, data)
     triple = [dtype, shape, payload]
     out = [
-        "r", [], [triple, triple, triple, None], None, triple, None, None, None, None, None,
-        None, None, triple, 0,
+        "r",
+        [],
+        [triple, triple, triple, None],
+        None,
+        triple,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        triple,
+        0,
     ]
     main = msgspec.msgpack.encode([0, [out], None, 1.0])
     _decode_outputs(index, [main, b"\x00" * 8, b"\x00" * 16])

@@ -107,8 +107,9 @@ def test_profiles_table() -> None:
 
 
 def test_0_25_sampling_params_use_that_release_key_order() -> None:
-    sp = SamplingParams(max_tokens=4, routed_experts_prompt_start=3, stream_interval=2,
-                        bad_words=["x"])
+    sp = SamplingParams(
+        max_tokens=4, routed_experts_prompt_start=3, stream_interval=2, bad_words=["x"]
+    )
     req = EngineCoreRequest("r", prompt_token_ids=[1], sampling_params=sp, arrival_time=0.0)
     old = msgspec.msgpack.decode(ClientCodec(V0_25_1).encode_add(req)[1])[3]
     new = msgspec.msgpack.decode(ClientCodec(V0_32_0).encode_add(req)[1])[3]
@@ -182,8 +183,6 @@ def test_handshake_metadata() -> None:
     )
     assert decode_handshake_metadata(encode_handshake_metadata(meta)) == meta
     with pytest.raises(ValueError, match=r"same length|equal length"):
-        encode_handshake_metadata(
-            EngineHandshakeMetadata(EngineZmqAddresses(["a"], []), {})
-        )
+        encode_handshake_metadata(EngineHandshakeMetadata(EngineZmqAddresses(["a"], []), {}))
     with pytest.raises(ProtocolError, match="EngineHandshakeMetadata"):
         decode_handshake_metadata(msgspec.msgpack.encode({"addresses": {"inputs": []}}))

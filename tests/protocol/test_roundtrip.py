@@ -29,7 +29,9 @@ from trio_vllm.protocol import (
 from trio_vllm.protocol.structs import EngineCoreEvent, EngineCoreEventType
 
 ROUNDTRIP = settings(
-    max_examples=40, deadline=None, derandomize=True,
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
 PROFILES = (V0_25_1, V0_32_0, V0_33_0)
@@ -52,10 +54,17 @@ sampling = st.builds(
     logit_bias=st.none() | st.dictionaries(st.integers(0, 1000), st.floats(-100, 100), max_size=3),
     extra_args=st.none() | st.dictionaries(st.text(max_size=5), st.integers(-10, 10), max_size=2),
 )
-pooling = st.builds(PoolingParams, task=st.sampled_from(["embed", "classify", "token_embed"]),
-                    dimensions=st.none() | st.integers(1, 64))
-lora = st.none() | st.builds(LoRARequest, st.text(min_size=1, max_size=8), st.integers(1, 99),
-                             st.text(min_size=1, max_size=8))
+pooling = st.builds(
+    PoolingParams,
+    task=st.sampled_from(["embed", "classify", "token_embed"]),
+    dimensions=st.none() | st.integers(1, 64),
+)
+lora = st.none() | st.builds(
+    LoRARequest,
+    st.text(min_size=1, max_size=8),
+    st.integers(1, 99),
+    st.text(min_size=1, max_size=8),
+)
 
 
 @st.composite
@@ -71,8 +80,9 @@ def requests(draw: st.DrawFn) -> EngineCoreRequest:
         cache_salt=draw(st.none() | st.text(max_size=5)),
         priority=draw(st.integers(-100, 100)),
         current_wave=draw(st.integers(0, 100)),
-        trace_headers=draw(st.none() | st.dictionaries(st.text(max_size=4), st.text(max_size=4),
-                                                       max_size=2)),
+        trace_headers=draw(
+            st.none() | st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2)
+        ),
     )
 
 
@@ -100,21 +110,39 @@ def outputs(draw: st.DrawFn) -> EngineCoreOutputs:
                 None,
             )
         finish = draw(st.none() | st.sampled_from(list(FinishReason)))
-        events = draw(st.none() | st.lists(
-            st.builds(EngineCoreEvent, st.sampled_from(list(EngineCoreEventType)),
-                      st.floats(0, 1e6)), max_size=2))
-        outs.append(EngineCoreOutput(
-            f"r{i}", list(range(n)), new_logprobs=lp, finish_reason=finish,
-            stop_reason=draw(st.none() | st.integers(0, 9) | st.text(max_size=3)),
-            events=events, num_nans_in_logits=draw(st.integers(0, 3)),
-        ))
+        events = draw(
+            st.none()
+            | st.lists(
+                st.builds(
+                    EngineCoreEvent, st.sampled_from(list(EngineCoreEventType)), st.floats(0, 1e6)
+                ),
+                max_size=2,
+            )
+        )
+        outs.append(
+            EngineCoreOutput(
+                f"r{i}",
+                list(range(n)),
+                new_logprobs=lp,
+                finish_reason=finish,
+                stop_reason=draw(st.none() | st.integers(0, 9) | st.text(max_size=3)),
+                events=events,
+                num_nans_in_logits=draw(st.integers(0, 3)),
+            )
+        )
     utility = None
     if draw(st.booleans()):
-        utility = UtilityOutput(draw(st.integers(0, 2**64 - 1)), None,
-                                UtilityResult(None, draw(st.none() | st.booleans() |
-                                                         st.lists(st.integers(), max_size=3))))
+        utility = UtilityOutput(
+            draw(st.integers(0, 2**64 - 1)),
+            None,
+            UtilityResult(
+                None, draw(st.none() | st.booleans() | st.lists(st.integers(), max_size=3))
+            ),
+        )
     return EngineCoreOutputs(
-        engine_index=draw(st.integers(0, 7)), outputs=outs, timestamp=draw(st.floats(0, 1e6)),
+        engine_index=draw(st.integers(0, 7)),
+        outputs=outs,
+        timestamp=draw(st.floats(0, 1e6)),
         utility_output=utility,
         finished_requests=draw(st.none() | st.sets(st.text(max_size=4), max_size=3)),
         wave_complete=draw(st.none() | st.integers(0, 9)),
@@ -122,19 +150,36 @@ def outputs(draw: st.DrawFn) -> EngineCoreOutputs:
 
 
 def _same_outputs(a: EngineCoreOutputs, b: EngineCoreOutputs) -> None:
-    assert (a.engine_index, a.timestamp, a.utility_output, a.finished_requests,
-            a.wave_complete) == (b.engine_index, b.timestamp, b.utility_output,
-                                 b.finished_requests, b.wave_complete)
+    assert (
+        a.engine_index,
+        a.timestamp,
+        a.utility_output,
+        a.finished_requests,
+        a.wave_complete,
+    ) == (b.engine_index, b.timestamp, b.utility_output, b.finished_requests, b.wave_complete)
     assert len(a.outputs) == len(b.outputs)
     for x, y in zip(a.outputs, b.outputs, strict=True):
-        assert (x.request_id, x.new_token_ids, x.finish_reason, x.stop_reason, x.events,
-                x.num_nans_in_logits) == (y.request_id, y.new_token_ids, y.finish_reason,
-                                          y.stop_reason, y.events, y.num_nans_in_logits)
+        assert (
+            x.request_id,
+            x.new_token_ids,
+            x.finish_reason,
+            x.stop_reason,
+            x.events,
+            x.num_nans_in_logits,
+        ) == (
+            y.request_id,
+            y.new_token_ids,
+            y.finish_reason,
+            y.stop_reason,
+            y.events,
+            y.num_nans_in_logits,
+        )
         assert (x.new_logprobs is None) == (y.new_logprobs is None)
         if x.new_logprobs is not None and y.new_logprobs is not None:
             np.testing.assert_array_equal(x.new_logprobs.logprobs, y.new_logprobs.logprobs)
-            np.testing.assert_array_equal(x.new_logprobs.logprob_token_ids,
-                                          y.new_logprobs.logprob_token_ids)
+            np.testing.assert_array_equal(
+                x.new_logprobs.logprob_token_ids, y.new_logprobs.logprob_token_ids
+            )
 
 
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.vllm_version)
@@ -157,22 +202,46 @@ def test_utility_arity_per_release() -> None:
 
 
 junk = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=3),
-    st.lists(st.integers(-5, 5), max_size=3), st.dictionaries(st.text(max_size=2),
-                                                              st.integers(), max_size=2),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(),
+    st.text(max_size=3),
+    st.lists(st.integers(-5, 5), max_size=3),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
 )
 
 
 @st.composite
 def junk_requests(draw: st.DrawFn) -> EngineCoreRequest:
     fields: dict[str, Any] = {}
-    for name in ("prompt_token_ids", "cache_salt", "priority", "client_index", "current_wave",
-                 "data_parallel_rank", "arrival_time", "trace_headers", "resumable"):
+    for name in (
+        "prompt_token_ids",
+        "cache_salt",
+        "priority",
+        "client_index",
+        "current_wave",
+        "data_parallel_rank",
+        "arrival_time",
+        "trace_headers",
+        "resumable",
+    ):
         if draw(st.booleans()):
             fields[name] = draw(junk)
     sp: dict[str, Any] = {}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "n", "stop", "logprobs",
-                 "seed", "min_tokens", "logit_bias", "stop_token_ids"):
+    for name in (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "n",
+        "stop",
+        "logprobs",
+        "seed",
+        "min_tokens",
+        "logit_bias",
+        "stop_token_ids",
+    ):
         if draw(st.booleans()):
             sp[name] = draw(junk)
     try:

@@ -66,9 +66,7 @@ def test_spread_stays_within_one_for_equal_engines(ops: list[tuple[bool, int]]) 
         loads = [lb.in_flight(r) for r in range(4)]
         # Ends can unbalance; a start always goes to a least loaded rank.
         if start:
-            assert lb.in_flight(live[-1]) - 1 == min(
-                loads[r] - (r == live[-1]) for r in range(4)
-            )
+            assert lb.in_flight(live[-1]) - 1 == min(loads[r] - (r == live[-1]) for r in range(4))
 
 
 def test_waves_wake_the_other_ranks_once_per_wave() -> None:

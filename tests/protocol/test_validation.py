@@ -51,8 +51,14 @@ BAD_SAMPLING: list[tuple[dict[str, Any], str]] = [
     ({"logit_bias": {1: float("inf")}}, "logit_bias"),
     ({"extra_args": {"k": 1 << 70}}, "extra_args"),
     ({"allowed_token_ids": []}, "allowed_token_ids"),
-    ({"structured_outputs": StructuredOutputsParams(regex="a", _backend="xgrammar",
-                                                    grammar="g")}, "exactly one"),
+    (
+        {
+            "structured_outputs": StructuredOutputsParams(
+                regex="a", _backend="xgrammar", grammar="g"
+            )
+        },
+        "exactly one",
+    ),
     ({"structured_outputs": StructuredOutputsParams(regex="a")}, "_backend"),
     ({"repetition_detection": RepetitionDetectionParams(4, 1, 1)}, "min_count"),
 ]
@@ -69,8 +75,9 @@ def test_bad_sampling_params_refused(kwargs: dict[str, Any], match: str) -> None
 
 def test_good_requests_pass() -> None:
     validate_request(_gen(temperature=0.7, top_p=0.9, top_k=-1, logprobs=-1, stop=["\n"]))
-    validate_request(_gen(structured_outputs=StructuredOutputsParams(json="{}",
-                                                                     _backend="xgrammar")))
+    validate_request(
+        _gen(structured_outputs=StructuredOutputsParams(json="{}", _backend="xgrammar"))
+    )
     validate_request(
         EngineCoreRequest("p", prompt_token_ids=[1], pooling_params=PoolingParams(task="embed"))
     )
@@ -81,36 +88,89 @@ def test_good_requests_pass() -> None:
     [
         (EngineCoreRequest("r", prompt_token_ids=[1]), "exactly one"),
         (
-            EngineCoreRequest("r", prompt_token_ids=[1], sampling_params=SamplingParams(),
-                              pooling_params=PoolingParams(task="embed")),
+            EngineCoreRequest(
+                "r",
+                prompt_token_ids=[1],
+                sampling_params=SamplingParams(),
+                pooling_params=PoolingParams(task="embed"),
+            ),
             "exactly one",
         ),
-        (EngineCoreRequest("", prompt_token_ids=[1], sampling_params=SamplingParams()),
-         "request_id"),
+        (
+            EngineCoreRequest("", prompt_token_ids=[1], sampling_params=SamplingParams()),
+            "request_id",
+        ),
         (EngineCoreRequest("r", prompt_token_ids=[], sampling_params=SamplingParams()), "empty"),
         (EngineCoreRequest("r", sampling_params=SamplingParams()), "prompt"),
-        (EngineCoreRequest("r", prompt_token_ids=[1, "x"], sampling_params=SamplingParams()),  # type: ignore[list-item]
-         "prompt_token_ids"),
-        (EngineCoreRequest("r", prompt_token_ids=[1], pooling_params=PoolingParams()),
-         "task"),
-        (EngineCoreRequest("r", prompt_token_ids=[1], pooling_params=PoolingParams(task="gen")),
-         "task"),
-        (EngineCoreRequest("r", prompt_token_ids=[1], sampling_params=SamplingParams(),
-                           lora_request=LoRARequest("a", 0, "/p")), "lora_int_id"),
-        (EngineCoreRequest("r", prompt_token_ids=[1], sampling_params=SamplingParams(),
-                           lora_request=LoRARequest("a", 1, "")), "lora_path"),
-        (EngineCoreRequest("r", prompt_token_ids=[1], sampling_params=SamplingParams(),
-                           client_index=-1), "client_index"),
-        (EngineCoreRequest("r", prompt_token_ids=[1], sampling_params=SamplingParams(),
-                           prompt_is_token_ids=[True, False]), "prompt_is_token_ids"),
-        (EngineCoreRequest("r", sampling_params=SamplingParams(),
-                           prompt_embeds=np.zeros((0, 4), np.float32)), "prompt_embeds"),
-        (EngineCoreRequest("r", prompt_token_ids=[1], sampling_params=SamplingParams(),
-                           cache_salt=5), "cache_salt"),  # type: ignore[arg-type]
-        (EngineCoreRequest("r", prompt_token_ids=[1], sampling_params=SamplingParams(),
-                           arrival_time=float("inf")), "arrival_time"),
-        (EngineCoreRequest("r", prompt_token_ids=[1], sampling_params=SamplingParams(),
-                           mm_features=[{}]), "mm_features"),
+        (
+            EngineCoreRequest("r", prompt_token_ids=[1, "x"], sampling_params=SamplingParams()),  # type: ignore[list-item]
+            "prompt_token_ids",
+        ),
+        (EngineCoreRequest("r", prompt_token_ids=[1], pooling_params=PoolingParams()), "task"),
+        (
+            EngineCoreRequest("r", prompt_token_ids=[1], pooling_params=PoolingParams(task="gen")),
+            "task",
+        ),
+        (
+            EngineCoreRequest(
+                "r",
+                prompt_token_ids=[1],
+                sampling_params=SamplingParams(),
+                lora_request=LoRARequest("a", 0, "/p"),
+            ),
+            "lora_int_id",
+        ),
+        (
+            EngineCoreRequest(
+                "r",
+                prompt_token_ids=[1],
+                sampling_params=SamplingParams(),
+                lora_request=LoRARequest("a", 1, ""),
+            ),
+            "lora_path",
+        ),
+        (
+            EngineCoreRequest(
+                "r", prompt_token_ids=[1], sampling_params=SamplingParams(), client_index=-1
+            ),
+            "client_index",
+        ),
+        (
+            EngineCoreRequest(
+                "r",
+                prompt_token_ids=[1],
+                sampling_params=SamplingParams(),
+                prompt_is_token_ids=[True, False],
+            ),
+            "prompt_is_token_ids",
+        ),
+        (
+            EngineCoreRequest(
+                "r", sampling_params=SamplingParams(), prompt_embeds=np.zeros((0, 4), np.float32)
+            ),
+            "prompt_embeds",
+        ),
+        (
+            EngineCoreRequest(
+                "r", prompt_token_ids=[1], sampling_params=SamplingParams(), cache_salt=5
+            ),
+            "cache_salt",
+        ),  # type: ignore[arg-type]
+        (
+            EngineCoreRequest(
+                "r",
+                prompt_token_ids=[1],
+                sampling_params=SamplingParams(),
+                arrival_time=float("inf"),
+            ),
+            "arrival_time",
+        ),
+        (
+            EngineCoreRequest(
+                "r", prompt_token_ids=[1], sampling_params=SamplingParams(), mm_features=[{}]
+            ),
+            "mm_features",
+        ),
     ],
 )
 def test_bad_requests_refused(request_: EngineCoreRequest, match: str) -> None:
@@ -125,8 +185,9 @@ def test_engine_limits() -> None:
         validate_request(req, max_logprobs=20)
     with pytest.raises(ValueError, match="max_model_len"):
         validate_request(_gen(), max_model_len=3)  # generation needs len < max_model_len
-    pooled = EngineCoreRequest("p", prompt_token_ids=[1, 2, 3],
-                               pooling_params=PoolingParams(task="embed"))
+    pooled = EngineCoreRequest(
+        "p", prompt_token_ids=[1, 2, 3], pooling_params=PoolingParams(task="embed")
+    )
     validate_request(pooled, max_model_len=3)  # pooling allows len == max_model_len
     with pytest.raises(ValueError, match="supported"):
         validate_request(pooled, supported_tasks={"classify"})
@@ -134,19 +195,23 @@ def test_engine_limits() -> None:
         validate_request(_gen(), vocab_size=3)
     with pytest.raises(ValueError, match="output addresses"):
         validate_request(
-            EngineCoreRequest("r", prompt_token_ids=[1], sampling_params=SamplingParams(),
-                              client_index=1),
+            EngineCoreRequest(
+                "r", prompt_token_ids=[1], sampling_params=SamplingParams(), client_index=1
+            ),
             num_clients=1,
         )
-    lora = EngineCoreRequest("r", prompt_token_ids=[1], sampling_params=SamplingParams(),
-                             lora_request=LoRARequest("a", 1, "/p"))
+    lora = EngineCoreRequest(
+        "r",
+        prompt_token_ids=[1],
+        sampling_params=SamplingParams(),
+        lora_request=LoRARequest("a", 1, "/p"),
+    )
     with pytest.raises(ValueError, match="LoRA"):
         validate_request(lora, supports_lora=False)
 
 
 def test_normalization_matches_vllm() -> None:
-    sp = SamplingParams(stop="x", seed=-1, stop_token_ids=[5], temperature=0.001,
-                        prompt_logprobs=2)
+    sp = SamplingParams(stop="x", seed=-1, stop_token_ids=[5], temperature=0.001, prompt_logprobs=2)
     assert sp.stop == ["x"]
     assert sp.seed is None
     assert sp._all_stop_token_ids == {5}

@@ -66,9 +66,18 @@ def test_run_wire_check_missing_dir(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_cli_entry_point() -> None:
     root = require_vectors()
     proc = subprocess.run(
-        [sys.executable, "-m", "trio_vllm.cli", "wire", "check",
-         *(str(root / f"vllm-{r}") for r in RELEASES)],
-        capture_output=True, text=True, timeout=60, check=False,
+        [
+            sys.executable,
+            "-m",
+            "trio_vllm.cli",
+            "wire",
+            "check",
+            *(str(root / f"vllm-{r}") for r in RELEASES),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "90 passed, 0 failed"

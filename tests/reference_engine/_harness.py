@@ -66,9 +66,18 @@ def request(prompt: list[int] | bytes, **kwargs: Any) -> EngineCoreRequest:
     req_fields = {
         k: kwargs.pop(k)
         for k in list(kwargs)
-        if k in ("client_index", "current_wave", "lora_request", "prompt_embeds",
-                 "prompt_is_token_ids", "pooling_params", "trace_headers", "cache_salt",
-                 "abort_immediately")
+        if k
+        in (
+            "client_index",
+            "current_wave",
+            "lora_request",
+            "prompt_embeds",
+            "prompt_is_token_ids",
+            "pooling_params",
+            "trace_headers",
+            "cache_salt",
+            "abort_immediately",
+        )
     }
     tokens = list(prompt) if prompt is not None else None
     sp = sampling(**kwargs) if "pooling_params" not in req_fields else None
@@ -125,10 +134,19 @@ class Frontend:
         self.handshake_sock: zmq.Socket[bytes] | None = None
         self.control_addr = ipc_address("ctl") if control else None
         if self.control_addr:  # the engine binds it; a killed engine cannot remove it
-            self._ipc_paths.append(self.control_addr[len("ipc://"):])
+            self._ipc_paths.append(self.control_addr[len("ipc://") :])
         self._control: zmq.Socket[bytes] | None = None
-        cmd = [sys.executable, "-m", "trio_vllm.reference_engine", "--index", str(index),
-               "--protocol", protocol, "--model", model]
+        cmd = [
+            sys.executable,
+            "-m",
+            "trio_vllm.reference_engine",
+            "--index",
+            str(index),
+            "--protocol",
+            protocol,
+            "--model",
+            model,
+        ]
         if direct:
             for a in self.input_addrs:
                 cmd += ["--input-address", a]
@@ -136,8 +154,7 @@ class Frontend:
                 cmd += ["--output-address", a]
         else:
             self.handshake_sock = self._bind(zmq.ROUTER, transport, "hs")
-            cmd += ["--handshake-address",
-                    self.handshake_sock.getsockopt_string(zmq.LAST_ENDPOINT)]
+            cmd += ["--handshake-address", self.handshake_sock.getsockopt_string(zmq.LAST_ENDPOINT)]
         if self.control_addr:
             cmd += ["--control-address", self.control_addr]
         args = list(args or [])
@@ -165,7 +182,7 @@ class Frontend:
         else:
             address = ipc_address(tag)
             sock.bind(address)
-            self._ipc_paths.append(address[len("ipc://"):])
+            self._ipc_paths.append(address[len("ipc://") :])
         return sock
 
     # ---- lifecycle ----
@@ -190,11 +207,13 @@ class Frontend:
                     outputs=self.output_addrs,
                     coordinator_input=(
                         self.coord_pub.getsockopt_string(zmq.LAST_ENDPOINT)
-                        if self.coord_pub else None
+                        if self.coord_pub
+                        else None
                     ),
                     coordinator_output=(
                         self.coord_pull.getsockopt_string(zmq.LAST_ENDPOINT)
-                        if self.coord_pull else None
+                        if self.coord_pull
+                        else None
                     ),
                 ),
                 parallel_config={},
@@ -243,8 +262,14 @@ class Frontend:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-        for sock in [*self.inputs, *self.outputs, self.handshake_sock, self.coord_pub,
-                     self.coord_pull, self._control]:
+        for sock in [
+            *self.inputs,
+            *self.outputs,
+            self.handshake_sock,
+            self.coord_pub,
+            self.coord_pull,
+            self._control,
+        ]:
             if sock is not None:
                 sock.close(linger=0)
         self.ctx.term()
@@ -294,8 +319,9 @@ class Frontend:
     def no_output(self, seconds: float, client: int = 0) -> bool:
         return not self.outputs[client].poll(seconds * 1000)
 
-    def call(self, method: str, *args: Any, client: int = 0,
-             timeout: float = DEFAULT_TIMEOUT) -> tuple[str | None, Any]:
+    def call(
+        self, method: str, *args: Any, client: int = 0, timeout: float = DEFAULT_TIMEOUT
+    ) -> tuple[str | None, Any]:
         """Call a utility; returns ``(failure_message, value)``; other outputs are kept."""
         call_id = next(self._call_ids)
         self.send_raw(self.codec.encode_utility(client, call_id, method, list(args)), client)
@@ -306,8 +332,9 @@ class Frontend:
         self.send_raw(self.codec.encode_utility(client, call_id, method, list(args)), client)
         return call_id
 
-    def wait_reply(self, call_id: int, *, client: int = 0,
-                   timeout: float = DEFAULT_TIMEOUT) -> tuple[str | None, Any]:
+    def wait_reply(
+        self, call_id: int, *, client: int = 0, timeout: float = DEFAULT_TIMEOUT
+    ) -> tuple[str | None, Any]:
         deadline = time.monotonic() + timeout
         while call_id not in self.replies:
             out = self.recv(max(0.0, deadline - time.monotonic()), client)
@@ -321,12 +348,14 @@ class Frontend:
         if u is None:
             return False
         self.replies[u.call_id] = (
-            u.failure_message, u.result.result if u.result is not None else None
+            u.failure_message,
+            u.result.result if u.result is not None else None,
         )
         return True
 
-    def collect(self, ids: list[str], timeout: float = DEFAULT_TIMEOUT,
-                client: int = 0) -> dict[str, Collected]:
+    def collect(
+        self, ids: list[str], timeout: float = DEFAULT_TIMEOUT, client: int = 0
+    ) -> dict[str, Collected]:
         """Receive until every id finished; returns tokens, outputs and finish reasons."""
         results = {rid: Collected() for rid in ids}
         open_ids = set(ids)

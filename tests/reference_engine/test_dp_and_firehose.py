@@ -44,8 +44,11 @@ def _coord_until_quiet(fe: Frontend, quiet: float = 0.5) -> list[EngineCoreOutpu
 
 
 def _waves(msgs: list[EngineCoreOutputs]) -> list[tuple[int | None, int | None]]:
-    return [(m.start_wave, m.wave_complete) for m in msgs
-            if m.start_wave is not None or m.wave_complete is not None]
+    return [
+        (m.start_wave, m.wave_complete)
+        for m in msgs
+        if m.start_wave is not None or m.wave_complete is not None
+    ]
 
 
 def _wave_markers(
@@ -76,8 +79,10 @@ def test_coordinated_rank_publishes_counts_and_finished_sets(spawn) -> None:  # 
     # With a coordinator the engine keeps a finished set (PROTOCOL.md §5.6).
     assert got.outputs[-1].finish_reason == 1
     msgs = _coord_messages(fe, 2)
-    counts = [(m.scheduler_stats.num_running_reqs, m.scheduler_stats.num_waiting_reqs)  # type: ignore[union-attr]
-              for m in msgs]
+    counts = [
+        (m.scheduler_stats.num_running_reqs, m.scheduler_stats.num_waiting_reqs)  # type: ignore[union-attr]
+        for m in msgs
+    ]
     assert counts[0] == (1, 0)
     assert counts[-1] == (0, 0)
     assert all(m.outputs == [] and m.utility_output is None for m in msgs)
@@ -178,8 +183,14 @@ def test_tiny_prompt_embeds_match_token_ids(spawn) -> None:  # type: ignore[no-u
     embeds = np.asarray(rows[0], dtype=np.float32)
     by_embeds = fe.generate(request(None, prompt_embeds=embeds, max_tokens=8)).tokens  # type: ignore[arg-type]
     assert by_embeds == by_ids
-    mixed = fe.generate(request(prompt, prompt_embeds=embeds, max_tokens=8,
-                                prompt_is_token_ids=[i % 2 == 0 for i in range(len(prompt))]))
+    mixed = fe.generate(
+        request(
+            prompt,
+            prompt_embeds=embeds,
+            max_tokens=8,
+            prompt_is_token_ids=[i % 2 == 0 for i in range(len(prompt))],
+        )
+    )
     assert mixed.tokens == by_ids
 
 
@@ -231,8 +242,7 @@ def test_firehose_never_blocks_the_engine(spawn) -> None:  # type: ignore[no-unt
 
 @pytest.mark.parametrize(("protocol", "expected"), [("0.32.0", []), ("0.33.0", [(0, None)])])
 def test_moe_rank1_wave_reports(spawn, protocol: str, expected: list[tuple[int, int]]) -> None:  # type: ignore[no-untyped-def]
-    fe = spawn(["--data-parallel-size", "2", "--moe"], coordinator=True, index=1,
-               protocol=protocol)
+    fe = spawn(["--data-parallel-size", "2", "--moe"], coordinator=True, index=1, protocol=protocol)
     rid = fe.add(request(PROMPT, max_tokens=2))
     assert fe.collect([rid])[rid].tokens == PROMPT[:2]
     # Only rank 0 reports wave_complete with a coordinator; in 0.33 an idle rank that

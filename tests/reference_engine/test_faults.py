@@ -88,8 +88,14 @@ def test_startup_delay_and_crash(spawn) -> None:  # type: ignore[no-untyped-def]
         encode_handshake_metadata,
     )
 
-    crash.handshake_sock.send_multipart([ident, encode_handshake_metadata(
-        EngineHandshakeMetadata(EngineZmqAddresses(crash.input_addrs, crash.output_addrs)))])
+    crash.handshake_sock.send_multipart(
+        [
+            ident,
+            encode_handshake_metadata(
+                EngineHandshakeMetadata(EngineZmqAddresses(crash.input_addrs, crash.output_addrs))
+            ),
+        ]
+    )
     assert crash.wait_exit(10) == 1
     err = crash.stderr()
     assert "boom: injected" in err
@@ -263,8 +269,6 @@ def test_unsupported_pooling_task_is_fatal(spawn) -> None:  # type: ignore[no-un
     assert fe.wait_exit(10) == 1
 
 
-
-
 def test_sigterm_drain_mode(spawn) -> None:  # type: ignore[no-untyped-def]
     fe = spawn(["--shutdown-timeout", "30"])
     running = request(PROMPT, max_tokens=10**9)
@@ -310,13 +314,28 @@ def test_help_documents_every_fault_flag() -> None:
 
     out = subprocess.run(
         [sys.executable, "-m", "trio_vllm.reference_engine", "--help"],
-        capture_output=True, text=True, timeout=30, check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
     ).stdout
-    for flag in ("--die-after-steps", "--dead-after-steps", "--stall-after-steps",
-                 "--startup-delay", "--crash-on-startup", "--garbage-after-steps",
-                 "--fail-utility", "--output-delay-ms", "--step-interval-ms",
-                 "--control-address", "--firehose",
-                 "--protocol", "--input-address", "--output-address", "--device"):
+    for flag in (
+        "--die-after-steps",
+        "--dead-after-steps",
+        "--stall-after-steps",
+        "--startup-delay",
+        "--crash-on-startup",
+        "--garbage-after-steps",
+        "--fail-utility",
+        "--output-delay-ms",
+        "--step-interval-ms",
+        "--control-address",
+        "--firehose",
+        "--protocol",
+        "--input-address",
+        "--output-address",
+        "--device",
+    ):
         assert flag in out
 
 
@@ -336,8 +355,14 @@ def test_cuda_without_a_gpu_fails_startup(spawn) -> None:  # type: ignore[no-unt
         encode_handshake_metadata,
     )
 
-    fe.handshake_sock.send_multipart([ident, encode_handshake_metadata(
-        EngineHandshakeMetadata(EngineZmqAddresses(fe.input_addrs, fe.output_addrs)))])
+    fe.handshake_sock.send_multipart(
+        [
+            ident,
+            encode_handshake_metadata(
+                EngineHandshakeMetadata(EngineZmqAddresses(fe.input_addrs, fe.output_addrs))
+            ),
+        ]
+    )
     assert fe.wait_exit(STARTUP_TIMEOUT) == 1
     assert "EngineCore failed to start." in fe.stderr()
     assert not fe.inputs[0].poll(0)  # nothing was sent

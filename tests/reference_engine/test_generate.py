@@ -37,13 +37,17 @@ def test_stop_token_ids(echo_engine: Frontend) -> None:
 
 def test_eos_and_ignore_eos(echo_engine: Frontend) -> None:
     prompt = [*b"xy", EOS_TOKEN_ID, *b"z"]
-    r = echo_engine.generate(request(prompt, max_tokens=10, _eos_token_id=EOS_TOKEN_ID,
-                                     _all_stop_token_ids={EOS_TOKEN_ID}))
+    r = echo_engine.generate(
+        request(
+            prompt, max_tokens=10, _eos_token_id=EOS_TOKEN_ID, _all_stop_token_ids={EOS_TOKEN_ID}
+        )
+    )
     assert r.tokens == [*b"xy", EOS_TOKEN_ID]
     assert r.finish_reason == 0
     assert r.stop_reason is None  # EOS: no stop_reason
-    r = echo_engine.generate(request(prompt, max_tokens=6, ignore_eos=True,
-                                     _eos_token_id=EOS_TOKEN_ID))
+    r = echo_engine.generate(
+        request(prompt, max_tokens=6, ignore_eos=True, _eos_token_id=EOS_TOKEN_ID)
+    )
     assert r.tokens == echo_continuation(prompt, 6)
     assert r.finish_reason == 1
     # Without _eos_token_id the engine never stops on EOS (PROTOCOL.md §4.3).
@@ -58,9 +62,7 @@ def test_min_tokens_suppresses_stop_ids(echo_engine: Frontend) -> None:
     assert r.tokens == [ord("a")]
     # With min_tokens=3 'a' is masked for the first three tokens: the echo model's only
     # likely token is gone, so greedy takes the lowest id of the rest (0).
-    r = echo_engine.generate(
-        request(prompt, max_tokens=8, min_tokens=3, stop_token_ids=[ord("a")])
-    )
+    r = echo_engine.generate(request(prompt, max_tokens=8, min_tokens=3, stop_token_ids=[ord("a")]))
     # Echo continues from the sequence (s[n mod 2]); 'a' is allowed again from token 4.
     assert r.tokens == [0, ord("b"), 0, ord("b"), ord("a")]
     assert (r.finish_reason, r.stop_reason) == (0, ord("a"))
@@ -157,6 +159,7 @@ def test_logprobs_and_prompt_logprobs(echo_engine: Frontend) -> None:
 
 def test_seeded_sampling_is_reproducible(spawn) -> None:  # type: ignore[no-untyped-def]
     fe = spawn(model="tiny", args=["--device", "cpu"])
+
     def run(seed: int | None) -> list[int]:
         return fe.generate(request(PROMPT, max_tokens=12, temperature=1.0, seed=seed)).tokens
 
@@ -173,13 +176,16 @@ def test_seeded_sampling_is_reproducible(spawn) -> None:  # type: ignore[no-unty
 
 def test_tiny_greedy_identical_across_runs(spawn) -> None:  # type: ignore[no-untyped-def]
     outputs = []
-    engines = [spawn(model="tiny", args=["--device", "cpu", "--seed", "5"], start=False)
-               for _ in range(2)]
+    engines = [
+        spawn(model="tiny", args=["--device", "cpu", "--seed", "5"], start=False) for _ in range(2)
+    ]
     for fe in engines:
         fe.start()
     for fe in engines:
-        reqs = [request(list(b"the quick brown fox"), max_tokens=16),
-                request(list(b"hello"), max_tokens=16)]
+        reqs = [
+            request(list(b"the quick brown fox"), max_tokens=16),
+            request(list(b"hello"), max_tokens=16),
+        ]
         for r in reqs:
             fe.add(r)
         got = fe.collect([r.request_id for r in reqs])
@@ -198,8 +204,10 @@ def test_pooling_embed(echo_engine: Frontend) -> None:
     expected = np.zeros(HIDDEN_SIZE, dtype=np.float32)
     expected[ord("b") % HIDDEN_SIZE] = 1.0  # last-token pooling of the one-hot state
     assert np.allclose(out, expected)
-    req = request(list(b"ab"), pooling_params=PoolingParams(task="token_embed", dimensions=8,
-                                                            use_activation=False))
+    req = request(
+        list(b"ab"),
+        pooling_params=PoolingParams(task="token_embed", dimensions=8, use_activation=False),
+    )
     out = np.asarray(echo_engine.generate(req).outputs[0].pooling_output)
     assert out.shape == (2, 8)
 

@@ -67,8 +67,10 @@ def _exits_promptly(fe: Frontend, what: str) -> None:
             f"stderr: {fe.stderr()}"
         ) from None
     assert code == 0, (what, code, fe.stderr())
-    print(f"{what}: exited {time.monotonic() - t0:.3f} s after SIGTERM "
-          f"(specified: {_EXIT_SPECIFIED:g} s)")
+    print(
+        f"{what}: exited {time.monotonic() - t0:.3f} s after SIGTERM "
+        f"(specified: {_EXIT_SPECIFIED:g} s)"
+    )
 
 
 def _idle(fe: Frontend) -> None:

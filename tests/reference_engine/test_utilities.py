@@ -19,7 +19,8 @@ PROMPT = list(b"abcde")
 def test_simple_utilities(spawn, tmp_path) -> None:  # type: ignore[no-untyped-def]
     fe = spawn(["--max-loras", "2"])
     assert fe.call("get_supported_tasks") == (
-        None, ["generate", "embed", "token_embed", "classify", "token_classify"]
+        None,
+        ["generate", "embed", "token_embed", "classify", "token_classify"],
     )
     assert fe.call("profile", True, "prefix", None, None) == (None, None)
     assert fe.call("profile", False) == (None, None)
@@ -52,8 +53,10 @@ def test_simple_utilities(spawn, tmp_path) -> None:  # type: ignore[no-untyped-d
     assert fe.call("save_sharded_state", str(tmp_path / "shards")) == (None, None)
     assert os.listdir(tmp_path / "shards")
     failure, _ = fe.call("no_such_method")
-    assert failure == "Call to no_such_method method failed: 'EngineCoreProc' object has no "\
+    assert (
+        failure == "Call to no_such_method method failed: 'EngineCoreProc' object has no "
         "attribute 'no_such_method'"
+    )
     failure, _ = fe.call("reset_mm_cache", 1, 2)  # more args than parameters
     assert failure == "Call to reset_mm_cache method failed: "
     # Any exception inside a utility comes back as a failure; the engine carries on.

@@ -23,8 +23,7 @@ def test_handshake_and_frames_per_protocol(spawn, protocol: str) -> None:  # typ
     # HELLO / READY of a headless engine; the identity is the rank, 2 bytes LE (checked
     # by the harness); READY has no parallel_config_hash at DP size 1.
     assert (fe.hello.local, fe.hello.headless) == (False, True)
-    assert (fe.ready.local, fe.ready.headless, fe.ready.parallel_config_hash) == (
-        False, True, None)
+    assert (fe.ready.local, fe.ready.headless, fe.ready.parallel_config_hash) == (False, True, None)
     raw = msgspec.msgpack.decode(fe.ready_response_raw)
     assert list(raw) == list(profile.map_keys["EngineCoreReadyResponse"])
     assert raw["vllm_version"] == protocol
@@ -105,7 +104,11 @@ def test_message_shape_matches_stock_vllm(spawn) -> None:  # type: ignore[no-unt
     assert msgs[0].scheduler_stats.prefix_cache_stats.queries == 5  # type: ignore[union-attr]
     assert msgs[1].scheduler_stats.prefix_cache_stats.queries == 0  # type: ignore[union-attr]
     assert [int(o.finish_reason) if o.finish_reason is not None else None for o in outs] == [
-        None, None, None, 1]
+        None,
+        None,
+        None,
+        1,
+    ]
     assert all(o.trace_headers == {"traceparent": "x"} for o in outs)
     assert all(o.request_id == rid and o.num_nans_in_logits == 0 for o in outs)
     # DP=1 without a coordinator: finished_requests stays nil on normal finishes.

@@ -106,8 +106,9 @@ def _outcome(run: Callable[[], object]) -> BaseException | None:
     return None
 
 
-async def _check_refused(error: BaseException | None, name: str, client: EngineCoreClient,
-                         peer: Any) -> None:
+async def _check_refused(
+    error: BaseException | None, name: str, client: EngineCoreClient, peer: Any
+) -> None:
     assert isinstance(error, RuntimeError), f"{name}: {error!r}"
     assert f"EngineCoreClient.{name}()" in str(error)
     # Nothing was sent: the owner's sentinel is the only message the engine got.

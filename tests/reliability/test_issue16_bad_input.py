@@ -173,4 +173,3 @@ async def test_item8_control_without_vocab_size_the_engine_dies(kind: str) -> No
         with anyio.fail_after(10), pytest.raises(EngineDeadError, match="ENGINE_CORE_DEAD"):
             await _consume(client, _oov(kind, "bad"))
         assert client.dead
-

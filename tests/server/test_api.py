@@ -101,7 +101,10 @@ async def test_chat(client: openai.AsyncOpenAI, frontend: LLM) -> None:
     messages = [{"role": "user", "content": "hi"}]
     prompt_text, prompt_ids = frontend.render_chat(messages)
     r = await client.chat.completions.create(
-        model="", messages=messages, max_tokens=4, temperature=0  # type: ignore[arg-type]
+        model="",
+        messages=messages,
+        max_tokens=4,
+        temperature=0,  # type: ignore[arg-type]
     )
     assert r.id.startswith("chatcmpl-")
     (choice,) = r.choices
@@ -225,9 +228,7 @@ async def test_errors(client: openai.AsyncOpenAI, frontend: LLM) -> None:
         await client.completions.create(model="", prompt="x" * (frontend.max_model_len + 1))
     assert "maximum context length" in str(long_prompt.value)
     with pytest.raises(openai.BadRequestError) as too_many:
-        await client.completions.create(
-            model="", prompt="x", max_tokens=frontend.max_model_len + 1
-        )
+        await client.completions.create(model="", prompt="x", max_tokens=frontend.max_model_len + 1)
     assert "max_tokens" in str(too_many.value)
     with pytest.raises(openai.BadRequestError):
         await client.chat.completions.create(model="", messages=[], max_tokens=1)

@@ -42,8 +42,10 @@ def _scope(path: str, body: bytes) -> dict[str, Any]:
         "type": "http",
         "method": "POST",
         "path": path,
-        "headers": [(b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode())],
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
     }
 
 
@@ -120,8 +122,9 @@ async def test_buffered_outputs_go_out_in_one_send(frontend: LLM, path: str) -> 
 
 async def test_disconnect_during_a_batched_send_aborts(frontend: LLM) -> None:
     app = OpenAIServer(frontend)
-    body = json.dumps({"prompt": "abc", "max_tokens": 1500, "ignore_eos": True,
-                       "temperature": 0, "stream": True}).encode()
+    body = json.dumps(
+        {"prompt": "abc", "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True}
+    ).encode()
     disconnect = anyio.Event()
     bodies: list[bytes] = []
 
@@ -142,8 +145,9 @@ async def test_disconnect_during_a_batched_send_aborts(frontend: LLM) -> None:
     assert bodies[1].count(b"data: ") >= 3
     assert b"[DONE]" not in bodies[1]
     await wait_until(
-        lambda: not (app.open_requests or frontend.live_request_ids
-                     or frontend.client.live_requests),
+        lambda: (
+            not (app.open_requests or frontend.live_request_ids or frontend.client.live_requests)
+        ),
         timeout=20,
     )
 

@@ -45,16 +45,18 @@ class _Frontend:
         self.sampling_defaults = defaults
         self._inputs = InputProcessor(_TOKENIZER, max_model_len=max_model_len)
 
-    def render_chat(
-        self, messages: Sequence[ChatMessage], **options: Any
-    ) -> tuple[str, list[int]]:
+    def render_chat(self, messages: Sequence[ChatMessage], **options: Any) -> tuple[str, list[int]]:
         return self._inputs.render_chat(messages, **options)
 
 
 def _completion(defaults: SamplingDefaults, **body: Any) -> SamplingParams:
     req = msgspec.convert({"prompt": "abcd", **body}, CompletionRequest)
     plan = plan_completion(
-        req, _Frontend(defaults), model="m", header_request_id=None, extra={}  # type: ignore[arg-type]
+        req,
+        _Frontend(defaults),
+        model="m",
+        header_request_id=None,
+        extra={},  # type: ignore[arg-type]
     )
     (params,) = plan.params
     return params
@@ -65,7 +67,11 @@ def _chat(defaults: SamplingDefaults, **body: Any) -> SamplingParams:
         {"messages": [{"role": "user", "content": "hi"}], **body}, ChatCompletionRequest
     )
     plan = plan_chat(
-        req, _Frontend(defaults), model="m", header_request_id=None, extra={}  # type: ignore[arg-type]
+        req,
+        _Frontend(defaults),
+        model="m",
+        header_request_id=None,
+        extra={},  # type: ignore[arg-type]
     )
     (params,) = plan.params
     return params

@@ -18,8 +18,7 @@ from ._util import Served, raw_request, sse_events, wait_until
 
 pytestmark = pytest.mark.anyio
 
-_LONG = {"prompt": "abc", "max_tokens": 1500, "ignore_eos": True,
-         "temperature": 0}
+_LONG = {"prompt": "abc", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture
@@ -77,9 +76,7 @@ async def test_many_streaming_clients_disconnecting_at_random_points(served: Ser
         body = json.dumps({**_LONG, "max_tokens": max_tokens, "stream": True}).encode()
         return (
             b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"connection: close\r\n"
-            + f"content-length: {len(body)}\r\n\r\n".encode()
-            + body
+            b"connection: close\r\n" + f"content-length: {len(body)}\r\n\r\n".encode() + body
         )
 
     long_request, short_request = request(1500), request(20)
@@ -110,7 +107,9 @@ async def test_many_streaming_clients_disconnecting_at_random_points(served: Ser
     await wait_until(lambda: _idle(served), timeout=20)
     # still serving
     status, _, data = await raw_request(
-        served.port, "POST", "/v1/completions",
+        served.port,
+        "POST",
+        "/v1/completions",
         json.dumps({"prompt": "xyz", "max_tokens": 3}).encode(),
         {"content-type": "application/json"},
     )
@@ -157,7 +156,10 @@ async def test_engine_sigkill_ends_every_stream_with_an_error(served: Served) ->
     status, _, _ = await raw_request(served.port, "GET", "/health")
     assert status == 503
     status, _, data = await raw_request(
-        served.port, "POST", "/v1/completions", b'{"prompt": "x"}',
+        served.port,
+        "POST",
+        "/v1/completions",
+        b'{"prompt": "x"}',
         {"content-type": "application/json"},
     )
     assert status == 503

@@ -42,7 +42,10 @@ def _outputs(n: int) -> list[RequestOutput]:
 )
 @pytest.mark.parametrize("echo", [False, True])
 def test_templates_match_the_general_path(
-    cls: type[CompletionResponder | ChatResponder], n: int, request_id: str, model: str,
+    cls: type[CompletionResponder | ChatResponder],
+    n: int,
+    request_id: str,
+    model: str,
     echo: bool,
 ) -> None:
     fast = cls(_plan(n, request_id, model, echo), None, "fp")  # type: ignore[arg-type]

@@ -83,9 +83,7 @@ async def test_retry_after_the_engine_dies_mid_stream() -> None:
     # The first engine dies after three steps (a fault fixed at startup).
     engines = Engines(EngineConfig(faults=("--die-after-steps", "3")), EngineConfig())
     with anyio.fail_after(30):
-        tokens = await generate_with_retry(
-            engines.connect, [1, 2, 3], max_tokens=10, backoff=0.01
-        )
+        tokens = await generate_with_retry(engines.connect, [1, 2, 3], max_tokens=10, backoff=0.01)
     assert tokens == echo_continuation([1, 2, 3], 10)
     assert len(engines.opened) == 2
 
@@ -106,9 +104,7 @@ async def test_retry_when_killed_at_run_time() -> None:
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(kill_first_engine_when_hung)
-            tokens = await generate_with_retry(
-                engines.connect, [4, 5], max_tokens=8, backoff=0.01
-            )
+            tokens = await generate_with_retry(engines.connect, [4, 5], max_tokens=8, backoff=0.01)
     assert tokens == echo_continuation([4, 5], 8)
     assert len(engines.opened) == 2
 

@@ -140,8 +140,9 @@ async def test_assert_no_task_leaks() -> None:
 
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])
-@pytest.mark.reference_engines(extra_args=("--max-model-len", "1000000",
-                                           "--num-gpu-blocks", "1000000"))
+@pytest.mark.reference_engines(
+    extra_args=("--max-model-len", "1000000", "--num-gpu-blocks", "1000000")
+)
 async def test_raw_request_leak_seen_by_client_and_engine(
     reference_engines: ReferenceEngineSet,
 ) -> None:
@@ -154,12 +155,14 @@ async def test_raw_request_leak_seen_by_client_and_engine(
                 await client.get_output()
 
     with anyio.fail_after(30):
-        report = await check_cancellation(raw_without_abort, engines=reference_engines,
-                                          checkpoints=[3])
+        report = await check_cancellation(
+            raw_without_abort, engines=reference_engines, checkpoints=[3]
+        )
         assert report.broken_at("client-requests") == [None, 3]
         # Without the client the harness only sees the engine side.
-        alone = await check_cancellation(raw_without_abort, engines=reference_engines.controls,
-                                         checkpoints=[], settle=0.2)
+        alone = await check_cancellation(
+            raw_without_abort, engines=reference_engines.controls, checkpoints=[], settle=0.2
+        )
         assert alone.broken_at("engine-requests") == [None]
         await client.abort_requests(client.live_requests)
         await reference_engines.wait_idle()
@@ -168,7 +171,8 @@ async def test_raw_request_leak_seen_by_client_and_engine(
 def test_plugin_in_a_fresh_project(tmp_path: Path) -> None:
     """A project with no conftest gets the fixtures from the installed entry point."""
     (tmp_path / "pytest.ini").write_text("[pytest]\nfilterwarnings = error\n")
-    (tmp_path / "test_user.py").write_text(textwrap.dedent('''
+    (tmp_path / "test_user.py").write_text(
+        textwrap.dedent("""
         import pytest
         from trio_vllm.client import make_request
         from trio_vllm.testing import assert_engine_idle, check_cancellation
@@ -192,7 +196,8 @@ def test_plugin_in_a_fresh_project(tmp_path: Path) -> None:
             report = await check_cancellation(scenario, engines=reference_engines)
             report.assert_ok()
             assert report.checkpoints >= 3  # send, first receive, end (at least)
-    '''))
+    """)
+    )
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
         cwd=tmp_path,

@@ -42,8 +42,11 @@ def write_model_dir(
     """A model directory with ``backend`` (a tokenizers.Tokenizer) as tokenizer.json."""
     path.mkdir(parents=True, exist_ok=True)
     backend.save(str(path / "tokenizer.json"))
-    for name, value in (("tokenizer_config.json", tokenizer_config), ("config.json", config),
-                        ("generation_config.json", generation_config)):
+    for name, value in (
+        ("tokenizer_config.json", tokenizer_config),
+        ("config.json", config),
+        ("generation_config.json", generation_config),
+    ):
         if value is not None:
             (path / name).write_text(json.dumps(value), encoding="utf-8")
     return path

@@ -23,10 +23,15 @@ def test_tiny_llama_chatml(tiny: Tokenizer) -> None:
 
 
 def test_content_parts_are_flattened_to_text() -> None:
-    msgs = normalize_messages([
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None, "extra": 1},
-    ])
+    msgs = normalize_messages(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {"role": "assistant", "content": None, "extra": 1},
+        ]
+    )
     assert msgs == [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": ""}]
     with pytest.raises(InvalidRequestError, match="image_url"):
         normalize_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
@@ -37,11 +42,21 @@ def test_content_parts_are_flattened_to_text() -> None:
 
 
 def test_tool_call_arguments_are_parsed() -> None:
-    (msg,) = normalize_messages([{
-        "role": "assistant", "content": "",
-        "tool_calls": [{"id": "1", "type": "function",
-                        "function": {"name": "f", "arguments": '{"x": 1}'}}],
-    }])
+    (msg,) = normalize_messages(
+        [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "1",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": '{"x": 1}'},
+                    }
+                ],
+            }
+        ]
+    )
     assert msg["tool_calls"][0]["function"]["arguments"] == {"x": 1}
 
 
@@ -54,8 +69,12 @@ def test_environment_matches_transformers(tiny: Tokenizer) -> None:
         "{{ strftime_now('%Y') }}{{ extra }}"
         "{% for i in range(3) %}{% if i == 1 %}{% break %}{% endif %}{{ i }}{% endfor %}"
     )
-    out = render_chat_template([{"role": "user", "content": "héllo <b>"}], tokenizer=tiny,
-                               chat_template=template, chat_template_kwargs={"extra": "!"})
+    out = render_chat_template(
+        [{"role": "user", "content": "héllo <b>"}],
+        tokenizer=tiny,
+        chat_template=template,
+        chat_template_kwargs={"extra": "!"},
+    )
     # trim_blocks and lstrip_blocks: no newline or indentation from the block tags;
     # tojson keeps non-ASCII and does not HTML-escape; loopcontrols has break.
     assert out == f'<s>"héllo <b>"\n</s>{datetime.now().year}!0'
@@ -63,8 +82,11 @@ def test_environment_matches_transformers(tiny: Tokenizer) -> None:
 
 def test_template_errors_are_invalid_requests(tiny: Tokenizer) -> None:
     with pytest.raises(InvalidRequestError, match="roles must alternate"):
-        render_chat_template([{"role": "user", "content": "x"}], tokenizer=tiny,
-                             chat_template="{{ raise_exception('roles must alternate') }}")
+        render_chat_template(
+            [{"role": "user", "content": "x"}],
+            tokenizer=tiny,
+            chat_template="{{ raise_exception('roles must alternate') }}",
+        )
     with pytest.raises(InvalidRequestError, match="does not parse"):
         render_chat_template([], tokenizer=tiny, chat_template="{% for %}")
     with pytest.raises(InvalidRequestError, match=re.escape("chat_template_kwargs")):
@@ -73,11 +95,15 @@ def test_template_errors_are_invalid_requests(tiny: Tokenizer) -> None:
 
 def test_sandbox_refuses_unsafe_access(tiny: Tokenizer) -> None:
     with pytest.raises(InvalidRequestError):
-        render_chat_template([], tokenizer=tiny,
-                             chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
+        render_chat_template(
+            [], tokenizer=tiny, chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}"
+        )
     with pytest.raises(InvalidRequestError):  # immutable: no mutation of the messages
-        render_chat_template([{"role": "user", "content": "x"}], tokenizer=tiny,
-                             chat_template="{{ messages.append(1) }}")
+        render_chat_template(
+            [{"role": "user", "content": "x"}],
+            tokenizer=tiny,
+            chat_template="{{ messages.append(1) }}",
+        )
 
 
 def test_no_template() -> None:
@@ -87,11 +113,13 @@ def test_no_template() -> None:
 
 def test_continue_final_message(tiny: Tokenizer) -> None:
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon"}]
-    text = render_chat_template(msgs, tokenizer=tiny, add_generation_prompt=False,
-                                continue_final_message=True)
+    text = render_chat_template(
+        msgs, tokenizer=tiny, add_generation_prompt=False, continue_final_message=True
+    )
     assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nOnce upon"
     via_kwargs = render_chat_template(
-        msgs, tokenizer=tiny,
+        msgs,
+        tokenizer=tiny,
         chat_template_kwargs={"continue_final_message": True, "add_generation_prompt": False},
     )
     assert via_kwargs == text
@@ -100,8 +128,11 @@ def test_continue_final_message(tiny: Tokenizer) -> None:
 
 
 def test_developer_messages_become_one_system_message(tiny: Tokenizer) -> None:
-    msgs = [{"role": "system", "content": "A"}, {"role": "user", "content": "Hi"},
-            {"role": "developer", "content": "B"}]
+    msgs = [
+        {"role": "system", "content": "A"},
+        {"role": "user", "content": "Hi"},
+        {"role": "developer", "content": "B"},
+    ]
     text = render_chat_template(msgs, tokenizer=tiny)
     assert text.startswith("<|im_start|>system\nA\n\nB<|im_end|>\n<|im_start|>user\nHi")
     assert "developer" not in text

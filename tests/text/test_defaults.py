@@ -142,9 +142,7 @@ def test_model_files_generation_config_sources(tmp_path: Path) -> None:
     )
     from_dir = ModelFiles(model, generation_config=other)
     d = from_dir.sampling_defaults()
-    assert (dict(d), d.max_tokens_cap, d.source) == (
-        {"top_k": 1, "max_tokens": 6}, 6, str(other)
-    )
+    assert (dict(d), d.max_tokens_cap, d.source) == ({"top_k": 1, "max_tokens": 6}, 6, str(other))
     assert from_dir.eos_token_ids == [3, 4]  # vLLM takes the EOS ids from there too
     overridden = ModelFiles(model, override_generation_config={"temperature": 0.1})
     assert dict(overridden.sampling_defaults()) == {"temperature": 0.1, "max_tokens": 30}

@@ -180,8 +180,9 @@ def test_out_of_vocabulary_ids_give_no_text(tiny: Tokenizer, path: str) -> None:
         ("abc", 3, [], False, None),
     ],
 )
-def test_check_stop_strings(text: str, new: int, stop: list[str], include: bool,
-                            expected: tuple[str, int] | None) -> None:
+def test_check_stop_strings(
+    text: str, new: int, stop: list[str], include: bool, expected: tuple[str, int] | None
+) -> None:
     assert check_stop_strings(text, new, stop, include) == expected
 
 
@@ -204,8 +205,11 @@ def test_sentencepiece_style_byte_fallback(tmp_path: Any, path: str) -> None:
     full = tok.decode([*prompt, *ids])
     assert "".join(deltas) == full[len(tok.decode(prompt)) :] == " world 你好 😀 café"
     # Logprobs decode one token alone: the Metaspace marker's space is put back.
-    marked = [i for i, piece in enumerate(tok.convert_ids_to_tokens(range(259, 300)), 259)
-              if piece and piece.startswith("\u2581") and len(piece) > 1]
+    marked = [
+        i
+        for i, piece in enumerate(tok.convert_ids_to_tokens(range(259, 300)), 259)
+        if piece and piece.startswith("\u2581") and len(piece) > 1
+    ]
     assert marked
     assert all(tok.decode([i]).startswith(" ") is False for i in marked)  # Strip ate it
     assert all(s.startswith(" ") for s in tok.decode_tokens_individually(marked))

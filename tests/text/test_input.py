@@ -40,12 +40,17 @@ def test_prompt_forms(inp: InputProcessor, tiny: Tokenizer) -> None:
     ("prompt", "message"),
     [
         ([], "cannot be empty"),
-        (list(range(5, 37)),  # 32 tokens: no room to generate
-         "The decoder prompt (length 32) plus the number of requested output tokens (at least"
-         " 1) is longer than the maximum model length of 32."),
+        (
+            list(range(5, 37)),  # 32 tokens: no room to generate
+            "The decoder prompt (length 32) plus the number of requested output tokens (at least"
+            " 1) is longer than the maximum model length of 32.",
+        ),
         (list(range(5, 37)), "maximum context length is 32 tokens"),
-        (list(range(5, 45)), "This model's maximum context length is 32 tokens. However, your "
-         "prompt contains 40 input tokens, which exceeds this limit even without any output"),
+        (
+            list(range(5, 45)),
+            "This model's maximum context length is 32 tokens. However, your "
+            "prompt contains 40 input tokens, which exceeds this limit even without any output",
+        ),
         ("hello " * 40, "your prompt contains at least 33 input tokens"),
         ("x" * 100_000, "your prompt contains 100000 characters"),
         ([5, 512], "Token id 512 is out of vocabulary"),
@@ -64,8 +69,10 @@ def test_prompt_validation(inp: InputProcessor, prompt: object, message: str) ->
 @pytest.mark.parametrize(
     ("params", "message"),
     [
-        (SamplingParams(logprobs=21),
-         "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+        (
+            SamplingParams(logprobs=21),
+            "Requested sample logprobs of 21, which is greater than max allowed: 20",
+        ),
         (SamplingParams(prompt_logprobs=25), "Requested prompt logprobs of 25"),
         (SamplingParams(logprobs=-1), "greater than max allowed: 20"),  # -1: the whole vocabulary
         (SamplingParams(n=2, temperature=0.0), "n must be 1 when using greedy sampling"),
@@ -124,8 +131,9 @@ def test_skip_clone_copies_shallowly_and_changes_nothing_of_the_callers(
 def test_no_params_means_generation_config_defaults(
     tiny: Tokenizer, tiny_files: ModelFiles
 ) -> None:
-    inp = InputProcessor(tiny, max_model_len=64, sampling_defaults={"temperature": 0.5,
-                                                                    "max_tokens": 7})
+    inp = InputProcessor(
+        tiny, max_model_len=64, sampling_defaults={"temperature": 0.5, "max_tokens": 7}
+    )
     p = inp.process_inputs("r", [5]).sampling_params
     assert (p.temperature, p.max_tokens) == (0.5, 7)
     vanilla = InputProcessor.from_model_files(tiny_files, tiny, max_model_len=64)
@@ -180,8 +188,12 @@ def test_chat_prompt(inp: InputProcessor, tiny: Tokenizer) -> None:
 def test_ids_below_the_model_vocabulary_are_accepted(tmp_path: Path) -> None:
     from .conftest import metaspace_tokenizer, write_model_dir
 
-    model = write_model_dir(tmp_path / "m", metaspace_tokenizer(),
-                            config={"vocab_size": 16}, tokenizer_config={"eos_token": "</s>"})
+    model = write_model_dir(
+        tmp_path / "m",
+        metaspace_tokenizer(),
+        config={"vocab_size": 16},
+        tokenizer_config={"eos_token": "</s>"},
+    )
     files = ModelFiles(model)
     tok = files.load_tokenizer()
     inp = InputProcessor.from_model_files(files, tok, max_model_len=32)

@@ -21,8 +21,9 @@ from trio_vllm.text import InputProcessor, OutputProcessor, ProcessedRequest, To
 K = RequestOutputKind
 
 
-def _setup(tok: Tokenizer, prompt: str = "Say: ", **params: Any
-           ) -> tuple[ProcessedRequest, OutputProcessor]:
+def _setup(
+    tok: Tokenizer, prompt: str = "Say: ", **params: Any
+) -> tuple[ProcessedRequest, OutputProcessor]:
     inp = InputProcessor(tok, max_model_len=512, generation_config={"eos_token_id": [2, 4]})
     processed = inp.process_inputs("req", prompt, SamplingParams(max_tokens=64, **params))
     out = OutputProcessor(tok)
@@ -30,8 +31,9 @@ def _setup(tok: Tokenizer, prompt: str = "Say: ", **params: Any
     return processed, out
 
 
-def _eco(rid: str, ids: list[int], finish: FinishReason | None = None, **kw: Any
-         ) -> EngineCoreOutput:
+def _eco(
+    rid: str, ids: list[int], finish: FinishReason | None = None, **kw: Any
+) -> EngineCoreOutput:
     return EngineCoreOutput(rid, new_token_ids=ids, finish_reason=finish, **kw)
 
 
@@ -163,13 +165,22 @@ def test_logprobs_with_decoded_tokens_and_cumulative(tiny: Tokenizer) -> None:
     )
     collected = []
     for i, token_id in enumerate(ids):
-        lp = LogprobsLists(np.array([[token_id, other]], dtype=np.int32),
-                           np.array([[-0.25, -1.0]], dtype=np.float32),
-                           np.array([3], dtype=np.int32))
-        res = out.process_outputs([_eco(rid, [token_id], new_logprobs=lp,
-                                        new_prompt_logprobs_tensors=plp if i == 0 else None,
-                                        prefill_stats=PrefillStats(num_cached_tokens=2)
-                                        if i == 0 else None)])
+        lp = LogprobsLists(
+            np.array([[token_id, other]], dtype=np.int32),
+            np.array([[-0.25, -1.0]], dtype=np.float32),
+            np.array([3], dtype=np.int32),
+        )
+        res = out.process_outputs(
+            [
+                _eco(
+                    rid,
+                    [token_id],
+                    new_logprobs=lp,
+                    new_prompt_logprobs_tensors=plp if i == 0 else None,
+                    prefill_stats=PrefillStats(num_cached_tokens=2) if i == 0 else None,
+                )
+            ]
+        )
         collected.extend(res.request_outputs)
     first = collected[0]
     assert first.prompt_logprobs is not None

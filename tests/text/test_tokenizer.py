@@ -48,7 +48,8 @@ def test_decoding_single_tokens_splits_utf8(tiny: Tokenizer) -> None:
 def test_special_tokens_and_added_tokens_from_tokenizer_config(tmp_path: Path) -> None:
     backend = metaspace_tokenizer()
     model = write_model_dir(
-        tmp_path / "m", backend,
+        tmp_path / "m",
+        backend,
         tokenizer_config={
             "bos_token": {"content": "<s>", "__type": "AddedToken"},
             "eos_token": "</s>",
@@ -75,21 +76,37 @@ def test_special_tokens_and_added_tokens_from_tokenizer_config(tmp_path: Path) -
 
 
 def test_generation_config_falls_back_to_config_json(tmp_path: Path) -> None:
-    model = write_model_dir(tmp_path / "m", metaspace_tokenizer(),
-                            config={"eos_token_id": 2, "bos_token_id": 1, "vocab_size": 10,
-                                    "max_position_embeddings": 64})
+    model = write_model_dir(
+        tmp_path / "m",
+        metaspace_tokenizer(),
+        config={
+            "eos_token_id": 2,
+            "bos_token_id": 1,
+            "vocab_size": 10,
+            "max_position_embeddings": 64,
+        },
+    )
     files = ModelFiles(model)
     assert files.eos_token_ids == [2]
     assert files.max_position_embeddings == 64
 
 
 def test_sampling_defaults_from_generation_config(tmp_path: Path) -> None:
-    model = write_model_dir(tmp_path / "m", metaspace_tokenizer(), generation_config={
-        "eos_token_id": [2], "temperature": 0.6, "top_p": 0.9, "max_new_tokens": 30,
-        "do_sample": True,
-    })
+    model = write_model_dir(
+        tmp_path / "m",
+        metaspace_tokenizer(),
+        generation_config={
+            "eos_token_id": [2],
+            "temperature": 0.6,
+            "top_p": 0.9,
+            "max_new_tokens": 30,
+            "do_sample": True,
+        },
+    )
     assert ModelFiles(model).sampling_defaults() == {
-        "temperature": 0.6, "top_p": 0.9, "max_tokens": 30,
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "max_tokens": 30,
     }
 
 
@@ -127,8 +144,9 @@ class _FakeSlowTokenizer:
         self._b = backend
         self.special_tokens_map = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
         self.all_special_tokens = ["<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
-        self.added_tokens_decoder = {i: t.content
-                                     for i, t in backend.get_added_tokens_decoder().items()}
+        self.added_tokens_decoder = {
+            i: t.content for i, t in backend.get_added_tokens_decoder().items()
+        }
         self.chat_template = "{{ messages[0]['content'] }}"
 
     def get_vocab(self) -> dict[str, int]:
@@ -146,11 +164,11 @@ class _FakeSlowTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._b.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def convert_ids_to_tokens(self, ids: list[int], skip_special_tokens: bool = False
-                              ) -> list[str | None]:
+    def convert_ids_to_tokens(
+        self, ids: list[int], skip_special_tokens: bool = False
+    ) -> list[str | None]:
         special = {self.get_vocab()[t] for t in self.all_special_tokens}
-        return [self._b.id_to_token(i) for i in ids
-                if not (skip_special_tokens and i in special)]
+        return [self._b.id_to_token(i) for i in ids if not (skip_special_tokens and i in special)]
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
         return self._b.decoder.decode(tokens)
@@ -185,8 +203,9 @@ def test_transformers_fallback_takes_the_slow_path(
     assert tok.chat_template == "{{ messages[0]['content'] }}"
     text = "Hi 你好 😀"
     ids = tok.encode(text, add_special_tokens=False)
-    d = IncrementalDetokenizer.for_request(tok, tok.encode("Say: "),
-                                           SamplingParams(skip_special_tokens=False))
+    d = IncrementalDetokenizer.for_request(
+        tok, tok.encode("Say: "), SamplingParams(skip_special_tokens=False)
+    )
     assert isinstance(d, SlowIncrementalDetokenizer)
     pieces = []
     for token_id in [*ids, 3, 4]:
@@ -207,8 +226,12 @@ def test_hub_name_from_the_local_cache_offline(
     repo = tmp_path / "hub" / "models--some-org--tiny"
     snapshot = repo / "snapshots" / ("0" * 40)
     snapshot.mkdir(parents=True)
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"):
+    for name in (
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         shutil.copy(tiny_dir / name, snapshot / name)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0" * 40)

@@ -24,9 +24,13 @@ def test_public_names_and_exception_bases() -> None:
 
 def test_outputs_roundtrip_through_msgspec() -> None:
     out = RequestOutput(
-        "r", "hi", [1, 2], [None, {2: Logprob(-0.5, 1, "x")}],
+        "r",
+        "hi",
+        [1, 2],
+        [None, {2: Logprob(-0.5, 1, "x")}],
         [CompletionOutput(0, "a", [5], -1.0, [{5: Logprob(-1.0, 1, "a")}], "stop", 4)],
-        True, 0,
+        True,
+        0,
     )
     back = msgspec.json.decode(msgspec.json.encode(out), type=RequestOutput)
     assert back == out
@@ -49,8 +53,9 @@ def test_add_aggregates_deltas_by_index() -> None:
 
 def test_add_replaces_cumulative_outputs() -> None:
     first = RequestOutput("r", None, [1], None, [_out(0, "ab", [1, 2])], False)
-    first.add(RequestOutput("r", None, [1], None, [_out(0, "abc", [1, 2, 3])], False),
-              aggregate=False)
+    first.add(
+        RequestOutput("r", None, [1], None, [_out(0, "abc", [1, 2, 3])], False), aggregate=False
+    )
     assert first.outputs[0].text == "abc"
     assert first.outputs[0].token_ids == [1, 2, 3]
 

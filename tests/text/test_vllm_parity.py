@@ -42,8 +42,12 @@ def _vllm_python() -> str:
 
 def _run_vllm(cases: list[dict[str, Any]]) -> list[Any]:
     proc = subprocess.run(
-        [_vllm_python(), str(REFERENCE)], input=json.dumps(cases), capture_output=True,
-        text=True, timeout=540, check=False,
+        [_vllm_python(), str(REFERENCE)],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        timeout=540,
+        check=False,
         env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "TOKENIZERS_PARALLELISM": "false"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -58,8 +62,10 @@ def vllm_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     _vllm_python()
     sp = _parity.build_sentencepiece_model(tmp_path_factory.mktemp("models") / "sp-bpe")
     cases = {
-        "outputs": _parity.output_cases() + _parity.fuzz_cases()
-        + _parity.output_cases(sp) + _parity.fuzz_cases(model=sp),
+        "outputs": _parity.output_cases()
+        + _parity.fuzz_cases()
+        + _parity.output_cases(sp)
+        + _parity.fuzz_cases(model=sp),
         "tokenizer": [_parity.tokenizer_case(), _parity.tokenizer_case(sp)],
         "params": _parity.params_cases(),
         "inputs": [_parity.inputs_case()],
@@ -83,8 +89,7 @@ def test_output_processing_matches_vllm(vllm_results: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["tiny-llama", "sentencepiece-bpe"])
-def test_tokenizer_and_chat_template_match_vllm(vllm_results: dict[str, Any], which: int
-                                                ) -> None:
+def test_tokenizer_and_chat_template_match_vllm(vllm_results: dict[str, Any], which: int) -> None:
     cases, results = vllm_results["tokenizer"]
     case, expected = cases[which], results[which]
     tok = tokenizer_for(case["model"])
@@ -100,10 +105,11 @@ def test_tokenizer_and_chat_template_match_vllm(vllm_results: dict[str, Any], wh
     assert tok.eos_token_id == expected["eos_token_id"]
     assert tok.max_token_id == expected["max_token_id"]
     rendered = [
-        render_chat_template(conv, tokenizer=tok, add_generation_prompt=False,
-                             continue_final_message=True)
-        if agp == "continue" else render_chat_template(conv, tokenizer=tok,
-                                                       add_generation_prompt=agp)
+        render_chat_template(
+            conv, tokenizer=tok, add_generation_prompt=False, continue_final_message=True
+        )
+        if agp == "continue"
+        else render_chat_template(conv, tokenizer=tok, add_generation_prompt=agp)
         for conv, agp in case["chats"]
     ]
     assert rendered == expected["chat"]
@@ -112,8 +118,7 @@ def test_tokenizer_and_chat_template_match_vllm(vllm_results: dict[str, Any], wh
 def test_generation_config_stop_ids_match_vllm(vllm_results: dict[str, Any]) -> None:
     cases, theirs = vllm_results["params"]
     files = ModelFiles(TINY_LLAMA)
-    processor = InputProcessor.from_model_files(files, tokenizer_for(TINY_LLAMA),
-                                                max_model_len=512)
+    processor = InputProcessor.from_model_files(files, tokenizer_for(TINY_LLAMA), max_model_len=512)
     for case, expected in zip(cases, theirs, strict=True):
         p = processor.prepare_params(SamplingParams(max_tokens=4, **case["params"]), 3)
         got = {
@@ -128,8 +133,9 @@ def test_generation_config_stop_ids_match_vllm(vllm_results: dict[str, Any]) -> 
 def test_input_processing_matches_vllm(vllm_results: dict[str, Any]) -> None:
     (case,), (expected,) = vllm_results["inputs"]
     files = ModelFiles(TINY_LLAMA)
-    processor = InputProcessor.from_model_files(files, tokenizer_for(TINY_LLAMA),
-                                                max_model_len=case["max_model_len"])
+    processor = InputProcessor.from_model_files(
+        files, tokenizer_for(TINY_LLAMA), max_model_len=case["max_model_len"]
+    )
     for item, theirs in zip(case["items"], expected["items"], strict=True):
         error = None
         try:
@@ -153,7 +159,8 @@ def test_input_processing_matches_vllm(vllm_results: dict[str, Any]) -> None:
         got = {
             "external_req_id": request.external_req_id,
             "prompt_token_ids": request.prompt_token_ids,
-            "max_tokens": p.max_tokens, "_eos_token_id": p._eos_token_id,
+            "max_tokens": p.max_tokens,
+            "_eos_token_id": p._eos_token_id,
             "stop_token_ids": p.stop_token_ids,
             "_all_stop_token_ids": sorted(p._all_stop_token_ids),
             "output_text_buffer_length": p.output_text_buffer_length,

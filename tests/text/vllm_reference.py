@@ -35,7 +35,8 @@ def request_output_dict(out: Any) -> dict[str, Any]:
         "request_id": out.request_id,
         "prompt": out.prompt,
         "prompt_token_ids": list(out.prompt_token_ids),
-        "prompt_logprobs": None if out.prompt_logprobs is None
+        "prompt_logprobs": None
+        if out.prompt_logprobs is None
         else [_lp_position(p) for p in out.prompt_logprobs],
         "finished": out.finished,
         "num_cached_tokens": out.num_cached_tokens,
@@ -86,10 +87,12 @@ def replay_steps(
             plp = None if prompt_rows is None else prompt_logprobs(prompt_rows)
             outs.append(output(ids[item.get("child", 0)], item, lp, plp))
         result = processor.process_outputs(outs)
-        steps_out.append({
-            "outputs": [request_output_dict(o) for o in result.request_outputs],
-            "abort": sorted(ids.index(r) for r in result.reqs_to_abort),
-        })
+        steps_out.append(
+            {
+                "outputs": [request_output_dict(o) for o in result.request_outputs],
+                "abort": sorted(ids.index(r) for r in result.reqs_to_abort),
+            }
+        )
     return {"steps": steps_out}
 
 
@@ -118,10 +121,16 @@ def run_case(case: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str, Any]
         params = SamplingParams(**kwargs)
         processor = OutputProcessor(tokenizer, log_stats=False)
         request = EngineCoreRequest(
-            request_id=case["request_id"], prompt_token_ids=list(case["prompt_token_ids"]),
-            mm_features=None, sampling_params=params, pooling_params=None,
-            arrival_time=time.time(), lora_request=None, cache_salt=None,
-            data_parallel_rank=None, external_req_id=case["external_req_id"],
+            request_id=case["request_id"],
+            prompt_token_ids=list(case["prompt_token_ids"]),
+            mm_features=None,
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=time.time(),
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+            external_req_id=case["external_req_id"],
         )
         prompt = case.get("prompt")
         if params.n == 1:
@@ -133,10 +142,16 @@ def run_case(case: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str, Any]
             for idx in range(params.n):
                 child_id, child_params = parent.get_child_info(idx)
                 child = EngineCoreRequest(
-                    request_id=child_id, prompt_token_ids=list(case["prompt_token_ids"]),
-                    mm_features=None, sampling_params=child_params, pooling_params=None,
-                    arrival_time=time.time(), lora_request=None, cache_salt=None,
-                    data_parallel_rank=None, external_req_id=case["external_req_id"],
+                    request_id=child_id,
+                    prompt_token_ids=list(case["prompt_token_ids"]),
+                    mm_features=None,
+                    sampling_params=child_params,
+                    pooling_params=None,
+                    arrival_time=time.time(),
+                    lora_request=None,
+                    cache_salt=None,
+                    data_parallel_rank=None,
+                    external_req_id=case["external_req_id"],
                 )
                 processor.add_request(child, prompt, parent, idx)
                 ids.append(child_id)
@@ -202,10 +217,11 @@ def run_tokenizer(case: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str,
         "eos_token_id": tok.eos_token_id,
         "max_token_id": tok.max_token_id,
         "chat": [
-            tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=False,
-                                    continue_final_message=True)
-            if agp == "continue" else
-            tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=agp)
+            tok.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=False, continue_final_message=True
+            )
+            if agp == "continue"
+            else tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=agp)
             for conv, agp in case["chats"]
         ],
     }
@@ -220,8 +236,13 @@ def _vllm_config(model: str, max_model_len: int) -> Any:
 
     key = (model, max_model_len)
     if key not in _CONFIGS:
-        args = EngineArgs(model=model, load_format="dummy", max_model_len=max_model_len,
-                          dtype="float32", enforce_eager=True)
+        args = EngineArgs(
+            model=model,
+            load_format="dummy",
+            max_model_len=max_model_len,
+            dtype="float32",
+            enforce_eager=True,
+        )
         _CONFIGS[key] = args.create_engine_config()
     return _CONFIGS[key]
 
@@ -235,7 +256,9 @@ def run_inputs(case: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str, An
     for item in case["items"]:
         try:
             request = processor.process_inputs(
-                "ext-id", item["prompt"], SamplingParams(**item["params"]),
+                "ext-id",
+                item["prompt"],
+                SamplingParams(**item["params"]),
                 supported_tasks=("generate",),
             )
             processor.assign_request_id(request)
@@ -243,14 +266,18 @@ def run_inputs(case: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str, An
             results.append({"error": str(exc)})
             continue
         p = request.sampling_params
-        results.append({
-            "request_id": request.request_id, "external_req_id": request.external_req_id,
-            "prompt_token_ids": list(request.prompt_token_ids),
-            "max_tokens": p.max_tokens, "_eos_token_id": p._eos_token_id,
-            "stop_token_ids": p.stop_token_ids,
-            "_all_stop_token_ids": sorted(p._all_stop_token_ids),
-            "output_text_buffer_length": p.output_text_buffer_length,
-        })
+        results.append(
+            {
+                "request_id": request.request_id,
+                "external_req_id": request.external_req_id,
+                "prompt_token_ids": list(request.prompt_token_ids),
+                "max_tokens": p.max_tokens,
+                "_eos_token_id": p._eos_token_id,
+                "stop_token_ids": p.stop_token_ids,
+                "_all_stop_token_ids": sorted(p._all_stop_token_ids),
+                "output_text_buffer_length": p.output_text_buffer_length,
+            }
+        )
     return {"items": results}
 
 
@@ -258,8 +285,9 @@ def run_chat_parse(case: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str
     from vllm.renderers.chat_utils import parse_chat_messages
 
     config = _vllm_config(case["model"], case.get("max_model_len", 32))
-    conversation, _, _ = parse_chat_messages(case["messages"], config.model_config,
-                                             content_format="string")
+    conversation, _, _ = parse_chat_messages(
+        case["messages"], config.model_config, content_format="string"
+    )
     return {"conversation": json.loads(json.dumps(conversation))}
 
 
@@ -270,8 +298,13 @@ def main() -> None:
     results = []
     for case in cases:
         kind = case.get("kind", "outputs")
-        fn = {"outputs": run_case, "params": run_params, "tokenizer": run_tokenizer,
-              "inputs": run_inputs, "chat_parse": run_chat_parse}[kind]
+        fn = {
+            "outputs": run_case,
+            "params": run_params,
+            "tokenizer": run_tokenizer,
+            "inputs": run_inputs,
+            "chat_parse": run_chat_parse,
+        }[kind]
         results.append(fn(case, tokenizers))
     sys.stdout.write("\n@@RESULT@@" + json.dumps(results) + "\n")
 

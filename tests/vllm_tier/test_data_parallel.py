@@ -32,8 +32,9 @@ async def test_two_stock_engines_share_the_load() -> None:
         tokens: dict[str, list[int]] = {}
 
         async def one(i: int) -> None:
-            request = make_request([1, 5, 7, 9], max_tokens=8, temperature=0.0,
-                                   request_id=f"dp-{i}")
+            request = make_request(
+                [1, 5, 7, 9], max_tokens=8, temperature=0.0, request_id=f"dp-{i}"
+            )
             async with client.generate(request) as stream:
                 served[request.request_id] = stream.rank
                 tokens[request.request_id] = await stream.collect()

@@ -57,9 +57,7 @@ async def _our_side(python: str) -> tuple[list[dict[str, Any]], list[Any], list[
                           env=ENGINE_ENV)  # fmt: skip
     # A loaded machine can take more than the default 5 s to stop a stock engine; a
     # SIGKILLed one leaves its shared memory behind (the tier's teardown check).
-    async with tv.open_llm(
-        engines, model=TINY_MODEL, ready_timeout=500, shutdown_grace=60
-    ) as llm:
+    async with tv.open_llm(engines, model=TINY_MODEL, ready_timeout=500, shutdown_grace=60) as llm:
         tok = llm.tokenizer
         base = await llm.generate_final(
             {"prompt_token_ids": [1, 5, 7, 9]}, tv.SamplingParams(temperature=0, max_tokens=8)

@@ -34,8 +34,9 @@ def _vocab_size() -> int:
 
 
 def _engines() -> VllmEngines:
-    return VllmEngines(str(TINY_MODEL), python=vllm_python(), extra_args=ENGINE_ARGS,
-                       env=ENGINE_ENV)
+    return VllmEngines(
+        str(TINY_MODEL), python=vllm_python(), extra_args=ENGINE_ARGS, env=ENGINE_ENV
+    )
 
 
 def _oov(kind: str, vocab: int) -> EngineCoreRequest:
@@ -45,8 +46,9 @@ def _oov(kind: str, vocab: int) -> EngineCoreRequest:
         "allowed_token_ids": {"allowed_token_ids": [5, vocab + 3]},
         "logit_bias": {"logit_bias": {vocab: 5.0}},
     }[kind]
-    return make_request([1, 5, 7, 9], sampling_params=SamplingParams(
-        max_tokens=4, temperature=0.0, **sampling))
+    return make_request(
+        [1, 5, 7, 9], sampling_params=SamplingParams(max_tokens=4, temperature=0.0, **sampling)
+    )
 
 
 @pytest.fixture(scope="module", params=["trio", "asyncio"])

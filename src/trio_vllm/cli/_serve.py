@@ -57,8 +57,7 @@ def add_parser(commands: Any) -> None:
         action="append",
         default=None,
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; default "
-        "VLLM_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; default VLLM_API_KEY)",
     )
     h.add_argument(
         "--served-model-name",
@@ -117,7 +116,7 @@ def add_parser(commands: Any) -> None:
         type=_json_object,
         default=None,
         metavar="JSON",
-        help='overrides the generation config, e.g. \'{"temperature": 0.5}\'',
+        help="overrides the generation config, e.g. '{\"temperature\": 0.5}'",
     )
 
 

@@ -60,9 +60,7 @@ def type_name(value: object) -> str:
     return type(value).__name__
 
 
-def seconds(
-    name: str, value: object, *, maximum: float, allow_zero: bool, what: str = ""
-) -> float:
+def seconds(name: str, value: object, *, maximum: float, allow_zero: bool, what: str = "") -> float:
     """``value`` as float seconds: a real number (not a bool, not a string), finite,
     positive (or zero when allowed) and at most ``maximum``."""
     where = what or name
@@ -78,8 +76,7 @@ def seconds(
         raise ValueError(f"{where} must be {bound} seconds, got {value!r}")
     if number > maximum:
         raise ValueError(
-            f"{where} must be at most {maximum:g} seconds, got {value!r} "
-            "(a value in milliseconds?)"
+            f"{where} must be at most {maximum:g} seconds, got {value!r} (a value in milliseconds?)"
         )
     return number
 
@@ -184,9 +181,7 @@ def ready_timeout(value: object, name: str = "ready_timeout") -> float:
         try:
             number = float(raw)
         except ValueError:
-            raise ValueError(
-                f"{_READY_TIMEOUT_ENV}={raw!r} is not a number of seconds"
-            ) from None
+            raise ValueError(f"{_READY_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
         return seconds(
             name,
             number,
@@ -213,9 +208,7 @@ def _profile(value: object) -> None:
         except Exception as exc:
             raise ValueError(f"profile {value!r}: {exc}") from exc
     for warning in caught:
-        warnings.warn_explicit(
-            warning.message, warning.category, warning.filename, warning.lineno
-        )
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def check_open_client(

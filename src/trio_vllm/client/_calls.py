@@ -35,7 +35,11 @@ class Call:
 
 
 async def call_one(
-    session: ClientSession, wire: Wire, sender: Sender, method: str, args: list[object],
+    session: ClientSession,
+    wire: Wire,
+    sender: Sender,
+    method: str,
+    args: list[object],
     rank: int | None,
 ) -> object:
     """Call ``method(*args)`` on ``rank`` (else the least busy) and wait for the reply;

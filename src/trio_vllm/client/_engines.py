@@ -369,9 +369,7 @@ def check_source(source: object, name: str = "engines") -> None:
         )
     kind = type(source).__name__
     count = integer(f"{kind}(count=...)", source.count, minimum=1, maximum=RANK_LIMIT)
-    start = integer(
-        f"{kind}(start_rank=...)", source.start_rank, minimum=0, maximum=RANK_LIMIT - 1
-    )
+    start = integer(f"{kind}(start_rank=...)", source.start_rank, minimum=0, maximum=RANK_LIMIT - 1)
     if start + count > RANK_LIMIT:
         raise ValueError(
             f"{kind}: ranks {start}..{start + count - 1} do not fit a 2-byte identity "
@@ -381,9 +379,7 @@ def check_source(source: object, name: str = "engines") -> None:
         choices = _reference_choices()
         choice(f"{kind}(model=...)", source.model, choices.get("model", ()))
         choice(f"{kind}(device=...)", source.device, choices.get("device", ()), optional=True)
-        choice(
-            f"{kind}(protocol=...)", source.protocol, choices.get("protocol", ()), optional=True
-        )
+        choice(f"{kind}(protocol=...)", source.protocol, choices.get("protocol", ()), optional=True)
         argument_list(f"{kind}(faults=...)", source.faults)
         argument_list(f"{kind}(extra_args=...)", source.extra_args)
         path(f"{kind}(python=...)", source.python)

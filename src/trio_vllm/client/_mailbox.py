@@ -42,7 +42,6 @@ T = TypeVar("T")
 YIELD_INTERVAL: Final = 0.001
 
 
-
 class _Wakeup(Protocol):
     def set(self) -> None: ...
 

@@ -30,7 +30,10 @@ class Sender:
     """Sends frames to ranks over the client's input socket."""
 
     def __init__(
-        self, input_socket: AsyncSocket, session: ClientSession, wire: Wire,
+        self,
+        input_socket: AsyncSocket,
+        session: ClientSession,
+        wire: Wire,
         wake: Callable[[], None],
     ) -> None:
         self._input = input_socket

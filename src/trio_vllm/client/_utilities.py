@@ -49,8 +49,7 @@ FanOut = Literal["one", "all", "agree"]
 # The two kinds of client, told apart by their ``_named_utility``: the table needs no
 # import of either client (each imports this module).
 class _AsyncClient(Protocol):
-    def _named_utility(self, spec: NamedUtility[..., T], args: list[object], /) -> Awaitable[T]:
-        ...
+    def _named_utility(self, spec: NamedUtility[..., T], args: list[object], /) -> Awaitable[T]: ...
 
 
 class _SyncClient(Protocol):

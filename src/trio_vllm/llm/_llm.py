@@ -298,8 +298,6 @@ def _default_name(model: str | os.PathLike[str]) -> str:
     return os.path.basename(name) if os.path.isdir(name) else name
 
 
-
-
 async def _last_output(stream: RequestOutputStream) -> RequestOutput:
     last = await stream.collect()
     if last is None:  # pragma: no cover - the text layer always finishes a request

@@ -208,9 +208,7 @@ class RequestOutputStream:
         self._check_finished()
 
     def _check_finished(self) -> None:
-        if not self.finished and not any(
-            self._processor.has_request(rid) for rid in self._by_id
-        ):
+        if not self.finished and not any(self._processor.has_request(rid) for rid in self._by_id):
             self.finished = True
 
     # -- consumer side -----------------------------------------------------------------

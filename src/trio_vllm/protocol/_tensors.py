@@ -177,9 +177,7 @@ def _check_triple(obj: Any) -> tuple[str, tuple[int, ...], Any]:
     dtype, shape, data = obj
     if not isinstance(dtype, str):
         raise ValueError(f"tensor dtype must be a str, got {type(dtype).__name__}")
-    if not isinstance(shape, (list, tuple)) or not all(
-        type(d) is int and d >= 0 for d in shape
-    ):
+    if not isinstance(shape, (list, tuple)) or not all(type(d) is int and d >= 0 for d in shape):
         raise ValueError(f"tensor shape must be an array of non-negative ints, got {shape!r}")
     if len(shape) > 64:
         raise ValueError(f"tensor has {len(shape)} dimensions (at most 64 are supported)")

@@ -180,7 +180,6 @@ def _wire_class(
     )
 
 
-
 def _positions(cls: type[msgspec.Struct]) -> dict[str, int]:
     return {name: i for i, name in enumerate(_names(cls))}
 
@@ -227,21 +226,27 @@ class _Layouts:
         self.prefix_cls: type[msgspec.Struct] | None = None
         if self.prefix_keys != _names(PrefixCacheStats):
             self.prefix_cls = _wire_class(
-                PrefixCacheStats, self.prefix_keys, name=f"PrefixCacheStats_{version}",
+                PrefixCacheStats,
+                self.prefix_keys,
+                name=f"PrefixCacheStats_{version}",
                 array_like=False,
             )
         self.stats_keys = profile.map_keys["SchedulerStats"]
         self.stats_cls: type[msgspec.Struct] | None = None
         if self.stats_keys != _names(SchedulerStats) or self.prefix_cls is not None:
             self.stats_cls = _wire_class(
-                SchedulerStats, self.stats_keys, name=f"SchedulerStats_{version}",
+                SchedulerStats,
+                self.stats_keys,
+                name=f"SchedulerStats_{version}",
                 array_like=False,
             )
         self.prefill_keys = profile.map_keys["PrefillStats"]
         self.prefill_cls: type[msgspec.Struct] | None = None
         if self.prefill_keys != _names(PrefillStats):
             self.prefill_cls = _wire_class(
-                PrefillStats, self.prefill_keys, name=f"PrefillStats_{version}",
+                PrefillStats,
+                self.prefill_keys,
+                name=f"PrefillStats_{version}",
                 array_like=False,
             )
 
@@ -315,8 +320,13 @@ class _Layouts:
 
     def lp_tensors(self, lp: LogprobsTensors) -> Any:
         lp = _torch_layout_fields(
-            lp, ("logprob_token_ids", "logprobs", "selected_token_ranks",
-                 "cu_num_generated_tokens_tensor")
+            lp,
+            (
+                "logprob_token_ids",
+                "logprobs",
+                "selected_token_ranks",
+                "cu_num_generated_tokens_tensor",
+            ),
         )
         if self.lp_tensors_idx is None:
             return lp
@@ -325,7 +335,10 @@ class _Layouts:
 
     def request(self, req: EngineCoreRequest) -> Any:
         sp, pp, lora, embeds = (
-            req.sampling_params, req.pooling_params, req.lora_request, req.prompt_embeds
+            req.sampling_params,
+            req.pooling_params,
+            req.lora_request,
+            req.prompt_embeds,
         )
         convert = (
             self.request_idx is not None
@@ -338,13 +351,13 @@ class _Layouts:
             return req
         values = list(msgspec.structs.astuple(req))
         if sp is not None:
-            values[_REQ['sampling_params']] = self.sampling(sp)
+            values[_REQ["sampling_params"]] = self.sampling(sp)
         if pp is not None:
-            values[_REQ['pooling_params']] = self.pooling(pp)
+            values[_REQ["pooling_params"]] = self.pooling(pp)
         if lora is not None:
-            values[_REQ['lora_request']] = self.lora(lora)
+            values[_REQ["lora_request"]] = self.lora(lora)
         if isinstance(embeds, np.ndarray):
-            values[_REQ['prompt_embeds']] = _as_torch_layout(embeds)
+            values[_REQ["prompt_embeds"]] = _as_torch_layout(embeds)
         if self.request_idx is not None:
             return [values[i] for i in self.request_idx]
         return values
@@ -367,13 +380,13 @@ class _Layouts:
                 return self.output_get(msgspec.structs.astuple(out))
         values = list(msgspec.structs.astuple(out))
         if lp is not None:
-            values[_OUT['new_prompt_logprobs_tensors']] = self.lp_tensors(lp)
+            values[_OUT["new_prompt_logprobs_tensors"]] = self.lp_tensors(lp)
         if isinstance(pooled, np.ndarray):
-            values[_OUT['pooling_output']] = _as_torch_layout(pooled)
+            values[_OUT["pooling_output"]] = _as_torch_layout(pooled)
         if isinstance(scored, np.ndarray):
-            values[_OUT['prompt_token_id_logprobs']] = _as_torch_layout(scored)
+            values[_OUT["prompt_token_id_logprobs"]] = _as_torch_layout(scored)
         if prefill is not None and self.prefill_cls is not None:
-            values[_OUT['prefill_stats']] = self.prefill_cls(
+            values[_OUT["prefill_stats"]] = self.prefill_cls(
                 **{k: getattr(prefill, k) for k in self.prefill_keys}
             )
         if self.output_idx is None:
@@ -388,9 +401,9 @@ class _Layouts:
         if self.outputs_idx is None and same and not convert_stats:
             return outs
         values = list(msgspec.structs.astuple(outs))
-        values[_OUTS['outputs']] = converted
+        values[_OUTS["outputs"]] = converted
         if stats is not None and convert_stats:
-            values[_OUTS['scheduler_stats']] = self.scheduler_stats(stats)
+            values[_OUTS["scheduler_stats"]] = self.scheduler_stats(stats)
         if self.outputs_idx is None:
             return values
         return [values[i] for i in self.outputs_idx]
@@ -462,9 +475,7 @@ def _as_torch_layout(arr: np.ndarray[Any, Any]) -> RawTensor:
 
 def _torch_layout_fields(obj: Any, names: Iterable[str]) -> Any:
     changes = {
-        n: _as_torch_layout(v)
-        for n in names
-        if isinstance(v := getattr(obj, n), np.ndarray)
+        n: _as_torch_layout(v) for n in names if isinstance(v := getattr(obj, n), np.ndarray)
     }
     return msgspec.structs.replace(obj, **changes) if changes else obj
 
@@ -909,8 +920,12 @@ def encode_ready(message: HandshakeReady) -> bytes:
         "local": message.local,
         "headless": message.headless,
     }
-    for key in ("parallel_config_hash", "coord_store_port", "elastic_ep_max_dp_size",
-                "num_redundant_experts"):
+    for key in (
+        "parallel_config_hash",
+        "coord_store_port",
+        "elastic_ep_max_dp_size",
+        "num_redundant_experts",
+    ):
         value = getattr(message, key)
         if value is not None:
             body[key] = value

@@ -281,7 +281,6 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if self.skip_reading_prefix_cache is None:
             self.skip_reading_prefix_cache = self.prompt_logprobs is not None
 
-
     @property
     def greedy(self) -> bool:
         """Whether this is greedy sampling (temperature below 1e-5)."""
@@ -292,8 +291,14 @@ _FLOAT_DEFAULTS: Final = tuple(
     (f.name, f.default)
     for f in msgspec.structs.fields(SamplingParams)
     if f.name
-    in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
-        "min_p")
+    in (
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "temperature",
+        "top_p",
+        "min_p",
+    )
 )
 _DEFAULT_TOP_P: Final = dict(_FLOAT_DEFAULTS)["top_p"]
 _DEFAULT_MIN_P: Final = dict(_FLOAT_DEFAULTS)["min_p"]
@@ -687,4 +692,3 @@ class EngineHandshakeMetadata(msgspec.Struct):
 
     addresses: EngineZmqAddresses
     parallel_config: dict[str, Any] = msgspec.field(default_factory=dict)
-

@@ -158,7 +158,9 @@ def validate_sampling_params(
         raise _bad(rid, "seed", "must be None or a 64-bit int", p.seed)
     if p.max_tokens is None:
         raise _bad(
-            rid, "max_tokens", "must be set explicitly (None makes the engine fail the request)",
+            rid,
+            "max_tokens",
+            "must be set explicitly (None makes the engine fail the request)",
             None,
         )
     if not _is_int(p.max_tokens) or p.max_tokens < 1:
@@ -176,18 +178,24 @@ def validate_sampling_params(
     if p.logprob_token_ids is not None:
         _check_token_ids(rid, "logprob_token_ids", p.logprob_token_ids, vocab_size)
         if len(p.logprob_token_ids) > _MAX_LOGPROB_TOKEN_IDS:
-            raise _bad(rid, "logprob_token_ids", "may hold at most 128 ids",
-                       len(p.logprob_token_ids))
+            raise _bad(
+                rid, "logprob_token_ids", "may hold at most 128 ids", len(p.logprob_token_ids)
+            )
     if p.prompt_logprob_start is not None and (
         not _is_int(p.prompt_logprob_start) or p.prompt_logprob_start < 0
     ):
-        raise _bad(rid, "prompt_logprob_start", "must be None or an int >= 0",
-                   p.prompt_logprob_start)
+        raise _bad(
+            rid, "prompt_logprob_start", "must be None or an int >= 0", p.prompt_logprob_start
+        )
     if p.prompt_logprob_token_ids is not None and not isinstance(
         p.prompt_logprob_token_ids, np.ndarray
     ):
-        raise _bad(rid, "prompt_logprob_token_ids", "must be None or an int ndarray",
-                   type(p.prompt_logprob_token_ids).__name__)
+        raise _bad(
+            rid,
+            "prompt_logprob_token_ids",
+            "must be None or an int ndarray",
+            type(p.prompt_logprob_token_ids).__name__,
+        )
     if not _list_of(p.stop, _nonempty_str):
         raise _bad(rid, "stop", "must be a list of non-empty strings", p.stop)
     if p.stop and not p.detokenize:
@@ -202,8 +210,12 @@ def validate_sampling_params(
         raise _bad(rid, "bad_words", "must be a list of non-empty strings", p.bad_words)
     if p._bad_words_token_ids is not None:
         if not isinstance(p._bad_words_token_ids, list):
-            raise _bad(rid, "_bad_words_token_ids", "must be a list of token-id lists",
-                       p._bad_words_token_ids)
+            raise _bad(
+                rid,
+                "_bad_words_token_ids",
+                "must be a list of token-id lists",
+                p._bad_words_token_ids,
+            )
         for ids in p._bad_words_token_ids:
             _check_token_ids(rid, "_bad_words_token_ids", ids, vocab_size, allow_empty=False)
     if p.greedy and p.n != 1:
@@ -215,8 +227,9 @@ def validate_sampling_params(
     if p.thinking_token_budget is not None and (
         not _is_int(p.thinking_token_budget) or p.thinking_token_budget < 0
     ):
-        raise _bad(rid, "thinking_token_budget", "must be None or an int >= 0",
-                   p.thinking_token_budget)
+        raise _bad(
+            rid, "thinking_token_budget", "must be None or an int >= 0", p.thinking_token_budget
+        )
     if p.logit_bias is not None:
         if not isinstance(p.logit_bias, dict):
             raise _bad(rid, "logit_bias", "must be a dict {token_id: bias}", p.logit_bias)
@@ -225,8 +238,9 @@ def validate_sampling_params(
             if not _is_number(v) or not math.isfinite(v):
                 raise _bad(rid, "logit_bias", "values must be finite numbers", v)
     if p.allowed_token_ids is not None:
-        _check_token_ids(rid, "allowed_token_ids", p.allowed_token_ids, vocab_size,
-                         allow_empty=False)
+        _check_token_ids(
+            rid, "allowed_token_ids", p.allowed_token_ids, vocab_size, allow_empty=False
+        )
     if p.extra_args is not None:
         if not _str_keyed(p.extra_args):
             raise _bad(rid, "extra_args", "must be a dict with str keys", p.extra_args)
@@ -241,14 +255,23 @@ def validate_sampling_params(
                 raise _bad(rid, f"repetition_detection.{name}", "must be an int >= 0", v)
         if rd.max_pattern_size > 0:
             if rd.min_count < 2:
-                raise _bad(rid, "repetition_detection.min_count",
-                           "must be >= 2 when max_pattern_size > 0", rd.min_count)
+                raise _bad(
+                    rid,
+                    "repetition_detection.min_count",
+                    "must be >= 2 when max_pattern_size > 0",
+                    rd.min_count,
+                )
             if rd.min_pattern_size > rd.max_pattern_size:
-                raise _bad(rid, "repetition_detection.min_pattern_size",
-                           "must be <= max_pattern_size", rd.min_pattern_size)
+                raise _bad(
+                    rid,
+                    "repetition_detection.min_pattern_size",
+                    "must be <= max_pattern_size",
+                    rd.min_pattern_size,
+                )
     if not _is_int(p.routed_experts_prompt_start) or p.routed_experts_prompt_start < 0:
-        raise _bad(rid, "routed_experts_prompt_start", "must be an int >= 0",
-                   p.routed_experts_prompt_start)
+        raise _bad(
+            rid, "routed_experts_prompt_start", "must be an int >= 0", p.routed_experts_prompt_start
+        )
 
 
 def _check_ints_in_range(rid: str, field: str, value: Any, depth: int = 0) -> None:
@@ -272,19 +295,36 @@ def _check_structured(rid: str, so: StructuredOutputsParams, backend: str | None
     if not isinstance(so, StructuredOutputsParams):
         raise _bad(rid, "structured_outputs", "must be a StructuredOutputsParams", so)
     constraints = [
-        so.json, so.regex, so.choice, so.grammar, so.json_object or None, so.structural_tag
+        so.json,
+        so.regex,
+        so.choice,
+        so.grammar,
+        so.json_object or None,
+        so.structural_tag,
     ]
     count = sum(c is not None for c in constraints)
     if count != 1:
-        raise _bad(rid, "structured_outputs", "must set exactly one constraint "
-                   "(json, regex, choice, grammar, json_object, structural_tag)", count)
+        raise _bad(
+            rid,
+            "structured_outputs",
+            "must set exactly one constraint "
+            "(json, regex, choice, grammar, json_object, structural_tag)",
+            count,
+        )
     if so._backend is None or so._backend not in STRUCTURED_OUTPUT_BACKENDS:
-        raise _bad(rid, "structured_outputs._backend",
-                   f"must name the engine's backend, one of {sorted(STRUCTURED_OUTPUT_BACKENDS)}",
-                   so._backend)
+        raise _bad(
+            rid,
+            "structured_outputs._backend",
+            f"must name the engine's backend, one of {sorted(STRUCTURED_OUTPUT_BACKENDS)}",
+            so._backend,
+        )
     if backend is not None and so._backend != backend:
-        raise _bad(rid, "structured_outputs._backend",
-                   f"must be the engine's configured backend {backend!r}", so._backend)
+        raise _bad(
+            rid,
+            "structured_outputs._backend",
+            f"must be the engine's configured backend {backend!r}",
+            so._backend,
+        )
 
 
 def validate_pooling_params(
@@ -298,21 +338,31 @@ def validate_pooling_params(
     if not isinstance(params, PoolingParams):
         raise _bad(rid, "pooling_params", "must be a PoolingParams", type(params).__name__)
     if params.task is None:
-        raise _bad(rid, "pooling_params.task",
-                   "must be set (a stock engine dies on a pooling request without a task)", None)
+        raise _bad(
+            rid,
+            "pooling_params.task",
+            "must be set (a stock engine dies on a pooling request without a task)",
+            None,
+        )
     if params.task not in POOLING_TASKS:
-        raise _bad(rid, "pooling_params.task", f"must be one of {sorted(POOLING_TASKS)}",
-                   params.task)
+        raise _bad(
+            rid, "pooling_params.task", f"must be one of {sorted(POOLING_TASKS)}", params.task
+        )
     if supported_tasks is not None and params.task not in supported_tasks:
-        raise _bad(rid, "pooling_params.task",
-                   f"is not supported by the model (supported: {sorted(supported_tasks)})",
-                   params.task)
+        raise _bad(
+            rid,
+            "pooling_params.task",
+            f"is not supported by the model (supported: {sorted(supported_tasks)})",
+            params.task,
+        )
     if params.dimensions is not None and (not _is_int(params.dimensions) or params.dimensions < 1):
-        raise _bad(rid, "pooling_params.dimensions", "must be None or an int >= 1",
-                   params.dimensions)
+        raise _bad(
+            rid, "pooling_params.dimensions", "must be None or an int >= 1", params.dimensions
+        )
     if not _output_kind(params.output_kind):
-        raise _bad(rid, "pooling_params.output_kind", "must be a RequestOutputKind",
-                   params.output_kind)
+        raise _bad(
+            rid, "pooling_params.output_kind", "must be a RequestOutputKind", params.output_kind
+        )
 
 
 def validate_lora_request(
@@ -361,9 +411,12 @@ def validate_request(
         raise ValueError(f"request_id must be a non-empty str, got {rid!r}")
     sp, pp = request.sampling_params, request.pooling_params
     if (sp is None) == (pp is None):
-        raise _bad(rid, "sampling_params/pooling_params",
-                   "exactly one must be set (generation or pooling)",
-                   "both" if sp is not None else "neither")
+        raise _bad(
+            rid,
+            "sampling_params/pooling_params",
+            "exactly one must be set (generation or pooling)",
+            "both" if sp is not None else "neither",
+        )
     ids = request.prompt_token_ids
     embeds = request.prompt_embeds
     if ids is None and embeds is None:
@@ -374,8 +427,9 @@ def validate_request(
     if embeds is not None:
         shape = _shape_of(embeds)
         if shape is None or len(shape) == 0 or 0 in shape:
-            raise _bad(rid, "prompt_embeds", "must be a non-empty [num_tokens, hidden] tensor",
-                       shape)
+            raise _bad(
+                rid, "prompt_embeds", "must be a non-empty [num_tokens, hidden] tensor", shape
+            )
         if ids is None:
             prompt_len = shape[0]
     if request.prompt_is_token_ids is not None:
@@ -383,30 +437,46 @@ def validate_request(
         if not _list_of(mask, lambda b: isinstance(b, bool)):
             raise _bad(rid, "prompt_is_token_ids", "must be a list of bools", mask)
         if len(mask) != prompt_len:
-            raise _bad(rid, "prompt_is_token_ids", f"must have the prompt's length {prompt_len}",
-                       len(mask))
+            raise _bad(
+                rid, "prompt_is_token_ids", f"must have the prompt's length {prompt_len}", len(mask)
+            )
     if max_model_len is not None:
         if sp is not None and prompt_len >= max_model_len:
-            raise _bad(rid, "prompt", f"must be shorter than max_model_len {max_model_len} "
-                       "(one slot is needed for output)", prompt_len)
+            raise _bad(
+                rid,
+                "prompt",
+                f"must be shorter than max_model_len {max_model_len} "
+                "(one slot is needed for output)",
+                prompt_len,
+            )
         if pp is not None and prompt_len > max_model_len:
             raise _bad(rid, "prompt", f"must be at most max_model_len {max_model_len}", prompt_len)
     if sp is not None:
-        validate_sampling_params(sp, request_id=rid, max_logprobs=max_logprobs,
-                                 vocab_size=vocab_size,
-                                 structured_output_backend=structured_output_backend)
+        validate_sampling_params(
+            sp,
+            request_id=rid,
+            max_logprobs=max_logprobs,
+            vocab_size=vocab_size,
+            structured_output_backend=structured_output_backend,
+        )
     if pp is not None:
         validate_pooling_params(pp, request_id=rid, supported_tasks=supported_tasks)
     if request.lora_request is not None:
         validate_lora_request(request.lora_request, request_id=rid, supports_lora=supports_lora)
     if not _is_number(request.arrival_time) or not math.isfinite(request.arrival_time):
-        raise _bad(rid, "arrival_time", "must be a finite number (time.time())",
-                   request.arrival_time)
+        raise _bad(
+            rid, "arrival_time", "must be a finite number (time.time())", request.arrival_time
+        )
     if not _is_int(request.client_index) or request.client_index < 0:
         raise _bad(rid, "client_index", "must be an int >= 0", request.client_index)
     if num_clients is not None and request.client_index >= num_clients:
-        raise _bad(rid, "client_index", f"must be < the number of output addresses {num_clients} "
-                   "(a larger index kills the engine's output thread)", request.client_index)
+        raise _bad(
+            rid,
+            "client_index",
+            f"must be < the number of output addresses {num_clients} "
+            "(a larger index kills the engine's output thread)",
+            request.client_index,
+        )
     for name in ("current_wave", "priority"):
         v = getattr(request, name)
         if not _is_int(v) or not _INT64_MIN <= v <= _UINT64_MAX:
@@ -414,8 +484,9 @@ def validate_request(
     if request.data_parallel_rank is not None and (
         not _is_int(request.data_parallel_rank) or request.data_parallel_rank < 0
     ):
-        raise _bad(rid, "data_parallel_rank", "must be None or an int >= 0",
-                   request.data_parallel_rank)
+        raise _bad(
+            rid, "data_parallel_rank", "must be None or an int >= 0", request.data_parallel_rank
+        )
     for name in ("cache_salt", "external_req_id", "session_id"):
         v = getattr(request, name)
         if v is not None and not isinstance(v, str):

@@ -100,8 +100,10 @@ class StepFaults:
         engine = self._engine
         opts = engine.options
         n = engine.steps
-        if opts.garbage_after_steps is not None and n >= opts.garbage_after_steps and not (
-            self._garbage_sent
+        if (
+            opts.garbage_after_steps is not None
+            and n >= opts.garbage_after_steps
+            and not (self._garbage_sent)
         ):
             self._garbage_sent = True
             engine.output.send_garbage()

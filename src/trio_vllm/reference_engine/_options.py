@@ -89,106 +89,233 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     c = p.add_argument_group("connection")
-    c.add_argument("--handshake-address", metavar="ADDR",
-                   help="frontend's handshake ROUTER (e.g. tcp://127.0.0.1:29550)")
-    c.add_argument("--index", type=int, default=0, metavar="N",
-                   help="data-parallel rank: the 2-byte identity (default 0)")
-    c.add_argument("--input-address", action="append", default=[], metavar="A",
-                   help="direct mode (no handshake): connect to this input ROUTER; repeat "
-                        "per frontend")
-    c.add_argument("--output-address", action="append", default=[], metavar="B",
-                   help="direct mode: connect to this output PULL; repeat per frontend")
-    c.add_argument("--protocol", choices=PROTOCOLS, default="0.32.0",
-                   help="vLLM release to emulate (ready response, struct layouts, "
-                        "utilities); default 0.32.0")
-    c.add_argument("--local", action="store_true",
-                   help="announce local=true, headless=false (as an engine launched by its "
-                        "frontend); default is a headless engine")
-    c.add_argument("--handshake-timeout", type=float, default=300.0, metavar="S",
-                   help="exit with status 1 if the init metadata does not arrive within S "
-                        "seconds of HELLO (vLLM: 5 minutes)")
-    c.add_argument("--parent-pid", type=int, default=None, metavar="PID",
-                   help="stop (as on SIGTERM) within a second once process PID is gone, "
-                        "e.g. a frontend that was SIGKILLed; default: no such watch")
-    c.add_argument("--control-address", metavar="ADDR",
-                   help="bind a REP control socket here (see below)")
+    c.add_argument(
+        "--handshake-address",
+        metavar="ADDR",
+        help="frontend's handshake ROUTER (e.g. tcp://127.0.0.1:29550)",
+    )
+    c.add_argument(
+        "--index",
+        type=int,
+        default=0,
+        metavar="N",
+        help="data-parallel rank: the 2-byte identity (default 0)",
+    )
+    c.add_argument(
+        "--input-address",
+        action="append",
+        default=[],
+        metavar="A",
+        help="direct mode (no handshake): connect to this input ROUTER; repeat per frontend",
+    )
+    c.add_argument(
+        "--output-address",
+        action="append",
+        default=[],
+        metavar="B",
+        help="direct mode: connect to this output PULL; repeat per frontend",
+    )
+    c.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default="0.32.0",
+        help="vLLM release to emulate (ready response, struct layouts, utilities); default 0.32.0",
+    )
+    c.add_argument(
+        "--local",
+        action="store_true",
+        help="announce local=true, headless=false (as an engine launched by its "
+        "frontend); default is a headless engine",
+    )
+    c.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="exit with status 1 if the init metadata does not arrive within S "
+        "seconds of HELLO (vLLM: 5 minutes)",
+    )
+    c.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="stop (as on SIGTERM) within a second once process PID is gone, "
+        "e.g. a frontend that was SIGKILLed; default: no such watch",
+    )
+    c.add_argument(
+        "--control-address", metavar="ADDR", help="bind a REP control socket here (see below)"
+    )
     m = p.add_argument_group("model")
-    m.add_argument("--model", choices=("tiny", "echo"), default="tiny",
-                   help="tiny: 2-layer transformer from --seed; echo: next token = "
-                        "s[len(s) mod len(prompt)] (default tiny)")
-    m.add_argument("--model-dir", metavar="DIR", default=None,
-                   help="take vocab_size (and max_model_len, unless given, from "
-                        "max_position_embeddings) and eos_token_id from DIR/config.json, "
-                        "so the engine stands in for that model's tokenizer")
-    m.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where the tiny model runs; auto = cuda when available")
-    m.add_argument("--seed", type=int, default=0,
-                   help="weights seed and the generator of unseeded requests")
-    m.add_argument("--supported-tasks", default=",".join(ALL_TASKS), metavar="T,T",
-                   help="what get_supported_tasks reports and accepts (default: all)")
+    m.add_argument(
+        "--model",
+        choices=("tiny", "echo"),
+        default="tiny",
+        help="tiny: 2-layer transformer from --seed; echo: next token = "
+        "s[len(s) mod len(prompt)] (default tiny)",
+    )
+    m.add_argument(
+        "--model-dir",
+        metavar="DIR",
+        default=None,
+        help="take vocab_size (and max_model_len, unless given, from "
+        "max_position_embeddings) and eos_token_id from DIR/config.json, "
+        "so the engine stands in for that model's tokenizer",
+    )
+    m.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the tiny model runs; auto = cuda when available",
+    )
+    m.add_argument(
+        "--seed", type=int, default=0, help="weights seed and the generator of unseeded requests"
+    )
+    m.add_argument(
+        "--supported-tasks",
+        default=",".join(ALL_TASKS),
+        metavar="T,T",
+        help="what get_supported_tasks reports and accepts (default: all)",
+    )
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=int, default=128)
-    s.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the --model-dir's "
-                        "max_position_embeddings, else 2048)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget per step (prefills are chunked to fit)")
+    s.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length (default: the --model-dir's max_position_embeddings, else 2048)",
+    )
+    s.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget per step (prefills are chunked to fit)",
+    )
     s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--num-gpu-blocks", type=int, default=None,
-                   help="KV blocks (default: max_num_seqs * max_model_len / block_size)")
-    s.add_argument("--disable-log-stats", action="store_true",
-                   help="send no scheduler_stats and no request events")
-    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True)
-    s.add_argument("--max-loras", type=int, default=0,
-                   help="> 0 enables LoRA bookkeeping (supports_lora in the ready response)")
+    s.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=None,
+        help="KV blocks (default: max_num_seqs * max_model_len / block_size)",
+    )
+    s.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="send no scheduler_stats and no request events",
+    )
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    s.add_argument(
+        "--max-loras",
+        type=int,
+        default=0,
+        help="> 0 enables LoRA bookkeeping (supports_lora in the ready response)",
+    )
     s.add_argument("--max-cpu-loras", type=int, default=None)
-    s.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction,
-                   default=True, help="allow sleep levels 1 and 2 (default on)")
-    s.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="S",
-                   help="0: on SIGTERM abort everything (vLLM default); > 0: drain")
+    s.add_argument(
+        "--enable-sleep-mode",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="allow sleep levels 1 and 2 (default on)",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="0: on SIGTERM abort everything (vLLM default); > 0: drain",
+    )
     d = p.add_argument_group("data parallel")
     d.add_argument("--data-parallel-size", type=int, default=1)
-    d.add_argument("--moe", action="store_true",
-                   help="behave as a MoE DP rank: DP waves (wave_complete/start_wave)")
+    d.add_argument(
+        "--moe",
+        action="store_true",
+        help="behave as a MoE DP rank: DP waves (wave_complete/start_wave)",
+    )
     d.add_argument("--instance-id", default=None)
     b = p.add_argument_group("benchmarking")
-    b.add_argument("--firehose", type=int, default=0, metavar="BATCH",
-                   help="every ADD joins a firehose: messages of BATCH one-token outputs "
-                        "are sent as fast as the socket takes them (round robin over the "
-                        "live requests) until max_tokens or ABORT")
+    b.add_argument(
+        "--firehose",
+        type=int,
+        default=0,
+        metavar="BATCH",
+        help="every ADD joins a firehose: messages of BATCH one-token outputs "
+        "are sent as fast as the socket takes them (round robin over the "
+        "live requests) until max_tokens or ABORT",
+    )
     f = p.add_argument_group("fault injection")
-    f.add_argument("--die-after-steps", type=int, metavar="N",
-                   help="os._exit(1) right after step N's outputs (no ENGINE_CORE_DEAD, "
-                        "like SIGKILL or a segfault)")
-    f.add_argument("--dead-after-steps", type=int, metavar="N",
-                   help="after step N: ENGINE_CORE_DEAD to every client, linger, exit 1 "
-                        "(vLLM's fatal-error path)")
-    f.add_argument("--stall-after-steps", type=int, metavar="N",
-                   help="after step N: stop reading input and writing output; the process "
-                        "stays up (SIGTERM and the control socket still work)")
-    f.add_argument("--startup-delay", type=float, default=0.0, metavar="S",
-                   help="sleep S seconds after the init metadata arrived (slow loading)")
-    f.add_argument("--crash-on-startup", metavar="MSG",
-                   help="after the init metadata arrived: print MSG and 'EngineCore failed "
-                        "to start.' on stderr, exit 1, send nothing more")
-    f.add_argument("--garbage-after-steps", type=int, metavar="N",
-                   help="after step N: one undecodable frame on every output socket, then "
-                        "carry on")
-    f.add_argument("--fail-utility", action="append", default=[], metavar="NAME",
-                   help="utility NAME always fails ('Call to NAME method failed: injected "
-                        "failure of NAME'); repeatable")
-    f.add_argument("--output-delay-ms", type=float, default=0.0, metavar="D",
-                   help="hold every output message D ms before sending it (order kept)")
-    f.add_argument("--step-interval-ms", type=float, default=0.0, metavar="D",
-                   help="start a model step at most every D ms (a slow model: N tokens of "
-                        "a request take at least N*D ms; default 0, as fast as it can)")
-    f.add_argument("--oov-fatal", action="store_true",
-                   help="an out-of-vocabulary id in a request (prompt, allowed_token_ids, "
-                        "logit_bias, stop ids) is fatal: ENGINE_CORE_DEAD, exit 1, as it "
-                        "kills a stock vLLM engine core (default: the request fails)")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="log startup and connection details to stderr")
+    f.add_argument(
+        "--die-after-steps",
+        type=int,
+        metavar="N",
+        help="os._exit(1) right after step N's outputs (no ENGINE_CORE_DEAD, "
+        "like SIGKILL or a segfault)",
+    )
+    f.add_argument(
+        "--dead-after-steps",
+        type=int,
+        metavar="N",
+        help="after step N: ENGINE_CORE_DEAD to every client, linger, exit 1 "
+        "(vLLM's fatal-error path)",
+    )
+    f.add_argument(
+        "--stall-after-steps",
+        type=int,
+        metavar="N",
+        help="after step N: stop reading input and writing output; the process "
+        "stays up (SIGTERM and the control socket still work)",
+    )
+    f.add_argument(
+        "--startup-delay",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="sleep S seconds after the init metadata arrived (slow loading)",
+    )
+    f.add_argument(
+        "--crash-on-startup",
+        metavar="MSG",
+        help="after the init metadata arrived: print MSG and 'EngineCore failed "
+        "to start.' on stderr, exit 1, send nothing more",
+    )
+    f.add_argument(
+        "--garbage-after-steps",
+        type=int,
+        metavar="N",
+        help="after step N: one undecodable frame on every output socket, then carry on",
+    )
+    f.add_argument(
+        "--fail-utility",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="utility NAME always fails ('Call to NAME method failed: injected "
+        "failure of NAME'); repeatable",
+    )
+    f.add_argument(
+        "--output-delay-ms",
+        type=float,
+        default=0.0,
+        metavar="D",
+        help="hold every output message D ms before sending it (order kept)",
+    )
+    f.add_argument(
+        "--step-interval-ms",
+        type=float,
+        default=0.0,
+        metavar="D",
+        help="start a model step at most every D ms (a slow model: N tokens of "
+        "a request take at least N*D ms; default 0, as fast as it can)",
+    )
+    f.add_argument(
+        "--oov-fatal",
+        action="store_true",
+        help="an out-of-vocabulary id in a request (prompt, allowed_token_ids, "
+        "logit_bias, stop ids) is fatal: ENGINE_CORE_DEAD, exit 1, as it "
+        "kills a stock vLLM engine core (default: the request fails)",
+    )
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="log startup and connection details to stderr"
+    )
     return p
 
 

@@ -41,9 +41,7 @@ class ProcessWatch:
         # only flags it for the main thread, which stays blocked in zmq_poll and never
         # runs the handler. With the wake-up fd, the C-level handler writes to the socket
         # the poller watches, on whichever thread it runs, so the poll returns.
-        self._old_wakeup_fd = signal.set_wakeup_fd(
-            self._wake_w.fileno(), warn_on_full_buffer=False
-        )
+        self._old_wakeup_fd = signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
         self._initial_ppid = os.getppid()
         self._watch_parent()
 

@@ -82,9 +82,7 @@ def preprocess(
         if embeds.ndim != 2 or embeds.shape[0] == 0:
             raise ValueError(f"prompt_embeds must be [num_tokens, hidden], got {embeds.shape}")
         if opts.model == "tiny" and embeds.shape[1] != model.hidden_size:
-            raise ValueError(
-                f"prompt_embeds hidden size {embeds.shape[1]} != {model.hidden_size}"
-            )
+            raise ValueError(f"prompt_embeds hidden size {embeds.shape[1]} != {model.hidden_size}")
         n = embeds.shape[0]
         if req.prompt_is_token_ids is not None:
             if len(req.prompt_is_token_ids) != n or ids is None or len(ids) != n:
@@ -142,9 +140,7 @@ def preprocess(
         presence_penalty=sp.presence_penalty,
         frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty,
-        logit_bias={int(k): float(v) for k, v in sp.logit_bias.items()}
-        if sp.logit_bias
-        else None,
+        logit_bias={int(k): float(v) for k, v in sp.logit_bias.items()} if sp.logit_bias else None,
         allowed_token_ids=sp.allowed_token_ids,
         bad_words_token_ids=sp._bad_words_token_ids,
         min_tokens=sp.min_tokens,

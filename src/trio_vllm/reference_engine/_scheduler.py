@@ -172,9 +172,11 @@ class Scheduler:
         self.step_counter = 0
         self.current_wave = 0
         self.rng = np.random.default_rng(seed)
-        self._classifier = np.random.default_rng(seed + 1).standard_normal(
-            (model.hidden_size, classifier_labels)
-        ).astype(np.float32)
+        self._classifier = (
+            np.random.default_rng(seed + 1)
+            .standard_normal((model.hidden_size, classifier_labels))
+            .astype(np.float32)
+        )
         self._prefix_cache: OrderedDict[bytes, None] = OrderedDict()
         self._prefix_reset = False
         self._prefix_requests = 0
@@ -535,8 +537,9 @@ class Scheduler:
             req.output_token_ids.append(token)
             req.seq.token_ids.append(token)
             stopped = self._check_stop(req)
-            record = OutputRecord(req.request_id, [token], None, None, None, None, None,
-                                  None, None, req.trace_headers)
+            record = OutputRecord(
+                req.request_id, [token], None, None, None, None, None, None, None, req.trace_headers
+            )
             if stopped:
                 record.finish_reason = int(req.finished) if req.finished is not None else None
                 record.stop_reason = req.stop_reason

@@ -118,8 +118,14 @@ class EngineServer:
                     sock.setsockopt(zmq.LINGER, 0)
                     sock.bind(self.options.control_address)
                     self.control = ControlChannel(sock, self)
-                if not start(self.options, self.wire, self.sockets, self.process,
-                             self._serve_control, self._on_loaded):
+                if not start(
+                    self.options,
+                    self.wire,
+                    self.sockets,
+                    self.process,
+                    self._serve_control,
+                    self._on_loaded,
+                ):
                     return 1
                 self._loop()
                 return 0
@@ -153,7 +159,7 @@ class EngineServer:
         if control is not None and control.startswith("ipc://"):
             # The engine bound it; libzmq does not remove ipc files on close.
             with contextlib.suppress(OSError):
-                os.unlink(control[len("ipc://"):])
+                os.unlink(control[len("ipc://") :])
 
     def _die(self) -> int:
         """vLLM's fatal path: ENGINE_CORE_DEAD on every output socket, linger, exit 1."""

@@ -158,8 +158,17 @@ def start(
     if opts.handshake_address is None:
         engine = load_engine(opts, include_finished_set=False)
         on_loaded(engine)
-        _connect(opts, wire, sockets, engine, wait, opts.input_addresses,
-                 opts.output_addresses, None, None)
+        _connect(
+            opts,
+            wire,
+            sockets,
+            engine,
+            wait,
+            opts.input_addresses,
+            opts.output_addresses,
+            None,
+            None,
+        )
         return True
     hs = sockets.handshake = sockets.ctx.socket(zmq.DEALER)
     hs.setsockopt(zmq.IDENTITY, sockets.identity)
@@ -189,8 +198,16 @@ def start(
         return False
     engine = load_engine(opts, include_finished_set=coordinator[1] is not None)
     on_loaded(engine)
-    _connect(opts, wire, sockets, engine, wait, list(addresses.inputs),
-             list(addresses.outputs), *coordinator)
+    _connect(
+        opts,
+        wire,
+        sockets,
+        engine,
+        wait,
+        list(addresses.inputs),
+        list(addresses.outputs),
+        *coordinator,
+    )
     hs.send(
         wire.encode_ready(
             local=local,

@@ -100,8 +100,10 @@ class Utilities:
         if not method.startswith("_") and method not in unavailable and method != "lookup":
             func = getattr(self, method, None)
         if func is None or not callable(func):
-            cls = "DPEngineCoreProc" if self._server.options.data_parallel_size > 1 else (
-                "EngineCoreProc"
+            cls = (
+                "DPEngineCoreProc"
+                if self._server.options.data_parallel_size > 1
+                else ("EngineCoreProc")
             )
             raise UtilityError(f"'{cls}' object has no attribute '{method}'")
         return func  # type: ignore[no-any-return]

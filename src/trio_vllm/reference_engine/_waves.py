@@ -105,12 +105,17 @@ class DPCoordination:
         if counts == self._last_counts:
             return
         self._last_counts = counts
-        self._send(-1, scheduler_stats=self._engine.wire.stats({
-            "num_running_reqs": counts[0],
-            "num_waiting_reqs": counts[1],
-            "step_counter": scheduler.step_counter,
-            "current_wave": scheduler.current_wave,
-        }))
+        self._send(
+            -1,
+            scheduler_stats=self._engine.wire.stats(
+                {
+                    "num_running_reqs": counts[0],
+                    "num_waiting_reqs": counts[1],
+                    "step_counter": scheduler.step_counter,
+                    "current_wave": scheduler.current_wave,
+                }
+            ),
+        )
 
     def drain_input(self) -> None:
         """Handle what the coordinator published (``start_dp_wave``; READY is ignored)."""

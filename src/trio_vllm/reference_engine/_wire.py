@@ -76,8 +76,9 @@ class Wire:
         self, *, local: bool, headless: bool, parallel_config_hash: str | None
     ) -> bytes:
         return _codec.encode_ready(
-            HandshakeReady(local=local, headless=headless,
-                           parallel_config_hash=parallel_config_hash)
+            HandshakeReady(
+                local=local, headless=headless, parallel_config_hash=parallel_config_hash
+            )
         )
 
     def encode_ready_response(self, fields: dict[str, Any]) -> bytes:

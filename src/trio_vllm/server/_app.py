@@ -248,8 +248,9 @@ class OpenAIServer:
                 parent=None,
                 max_model_len=self.llm.max_model_len,
                 permission=[
-                    ModelPermission(f"modelperm-{secrets.token_hex(16)}", "model_permission",
-                                    self._created)
+                    ModelPermission(
+                        f"modelperm-{secrets.token_hex(16)}", "model_permission", self._created
+                    )
                 ],
             )
             for name in self.model_names
@@ -274,8 +275,7 @@ class OpenAIServer:
         content_type = header(scope, b"content-type") or b""
         if content_type.split(b";", 1)[0].strip().lower() != _JSON_CT:
             raise HTTPError(
-                "1 validation error:\n  Unsupported Media Type: Only 'application/json' is "
-                "allowed",
+                "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
                 err_type="Bad Request",
             )
         try:
@@ -286,8 +286,9 @@ class OpenAIServer:
                 err_type="Bad Request",
             ) from None
         except msgspec.DecodeError as exc:
-            raise HTTPError(f"1 validation error:\n  JSON decode error: {exc}",
-                            err_type="Bad Request") from None
+            raise HTTPError(
+                f"1 validation error:\n  JSON decode error: {exc}", err_type="Bad Request"
+            ) from None
         try:
             req = _DECODERS[kind].decode(body)
         except msgspec.ValidationError as exc:
@@ -295,8 +296,9 @@ class OpenAIServer:
             param = None
             if "`$." in message:
                 param = message.rsplit("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0]
-            raise HTTPError(f"1 validation error:\n  {message}", err_type="Bad Request",
-                            param=param) from None
+            raise HTTPError(
+                f"1 validation error:\n  {message}", err_type="Bad Request", param=param
+            ) from None
         unknown = raw.keys() - _FIELDS[kind]
         extra: dict[str, object] = {}
         if unknown:
@@ -425,7 +427,6 @@ class OpenAIServer:
             await send({"type": "http.response.body", "body": last + tail})
         else:
             await send_bytes(send, 200, tail)
-
 
     async def _run_batch(
         self,

@@ -316,8 +316,7 @@ def plan_completion(
         )
     if req.echo and req.logprobs is not None:
         raise HTTPError(
-            "`echo` with `logprobs` needs prompt logprobs, which trio-vllm serve does not "
-            "support.",
+            "`echo` with `logprobs` needs prompt logprobs, which trio-vllm serve does not support.",
             param="echo",
         )
     max_model_len = llm.max_model_len

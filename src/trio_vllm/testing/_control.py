@@ -76,7 +76,12 @@ class EngineControl:
     """
 
     def __init__(
-        self, *, rank: int, address: str, pid: int, context: zmq.Context[Any],
+        self,
+        *,
+        rank: int,
+        address: str,
+        pid: int,
+        context: zmq.Context[Any],
         timeout: float = DEFAULT_CONTROL_TIMEOUT,
     ) -> None:
         self.rank = rank
@@ -107,8 +112,7 @@ class EngineControl:
                 )
                 if not reply.get("ok"):
                     raise RuntimeError(
-                        f"engine {self.rank} refused control command {cmd!r}: "
-                        f"{reply.get('error')}"
+                        f"engine {self.rank} refused control command {cmd!r}: {reply.get('error')}"
                     )
                 return reply
         raise TimeoutError(

@@ -67,8 +67,9 @@ def reference_engine_config(request: pytest.FixtureRequest) -> EngineConfig:
     elif isinstance(param, dict):
         config = config.replace(**param)
     elif param is not None:
-        raise TypeError(f"reference_engine_config parameter must be an EngineConfig or dict, "
-                        f"got {param!r}")
+        raise TypeError(
+            f"reference_engine_config parameter must be an EngineConfig or dict, got {param!r}"
+        )
     return config
 
 

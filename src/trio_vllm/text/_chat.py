@@ -133,10 +133,16 @@ def _compile(template: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: object, ensure_ascii: bool = False, indent: int | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+    def tojson(
+        x: object,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     def strftime_now(format: str) -> str:
         return datetime.now().strftime(format)
@@ -174,8 +180,10 @@ def render_chat_template(
     """
     import jinja2
 
-    template = chat_template if chat_template is not None else (
-        tokenizer.chat_template if tokenizer is not None else None
+    template = (
+        chat_template
+        if chat_template is not None
+        else (tokenizer.chat_template if tokenizer is not None else None)
     )
     if template is None:
         raise InvalidRequestError(

@@ -29,8 +29,16 @@ from ..protocol import SamplingParams
 __all__ = ["GENERATION_CONFIG_KEYS", "OPENAI_SAMPLING_DEFAULTS", "SamplingDefaults"]
 
 # The keys vLLM's get_diff_sampling_param takes from a generation config, in its order.
-GENERATION_CONFIG_KEYS: Final = ("repetition_penalty", "presence_penalty", "frequency_penalty",
-                                 "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+GENERATION_CONFIG_KEYS: Final = (
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "max_new_tokens",
+)
 # vLLM's _DEFAULT_SAMPLING_PARAMS of the completion and chat requests.
 OPENAI_SAMPLING_DEFAULTS: Final[Mapping[str, float | int]] = {
     "repetition_penalty": 1.0,

@@ -361,8 +361,10 @@ class SlowIncrementalDetokenizer(_TextDetokenizer):
         )
         self.token_ids.extend(prompt_token_ids)
         hf = tokenizer._hf
-        self._plain_join = tokenizer.is_fast or bool(getattr(hf, "is_fast", False)) or not (
-            hf.get_added_vocab() if hf is not None else None
+        self._plain_join = (
+            tokenizer.is_fast
+            or bool(getattr(hf, "is_fast", False))
+            or not (hf.get_added_vocab() if hf is not None else None)
         )
 
     @property
@@ -375,9 +377,12 @@ class SlowIncrementalDetokenizer(_TextDetokenizer):
     def decode_next(self, next_token_id: int) -> str:
         tok = self.tokenizer
         if 0 <= next_token_id < len(tok):
-            new_tokens = [t or "" for t in tok.convert_ids_to_tokens(
-                [next_token_id], skip_special_tokens=self.skip_special_tokens
-            )]
+            new_tokens = [
+                t or ""
+                for t in tok.convert_ids_to_tokens(
+                    [next_token_id], skip_special_tokens=self.skip_special_tokens
+                )
+            ]
         else:
             new_tokens = [""]
         prev_tokens = self.tokens

@@ -204,8 +204,11 @@ class InputProcessor:
         the text is encoded without adding special tokens, as vLLM's chat path does."""
         tokenizer = self._require_tokenizer("chat")
         text = render_chat_template(
-            messages, tokenizer=tokenizer, chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt, tools=tools,
+            messages,
+            tokenizer=tokenizer,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
             chat_template_kwargs=chat_template_kwargs,
         )
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -373,9 +376,15 @@ class InputProcessor:
         _check_request_id(request_id)
         text, ids = self.tokenize_prompt(prompt)
         return self._build(
-            request_id, text if prompt_text is None else prompt_text, ids, params,
-            arrival_time=arrival_time, lora_request=lora_request, priority=priority,
-            data_parallel_rank=data_parallel_rank, cache_salt=cache_salt,
+            request_id,
+            text if prompt_text is None else prompt_text,
+            ids,
+            params,
+            arrival_time=arrival_time,
+            lora_request=lora_request,
+            priority=priority,
+            data_parallel_rank=data_parallel_rank,
+            cache_salt=cache_salt,
             trace_headers=trace_headers,
         )
 
@@ -399,12 +408,22 @@ class InputProcessor:
         """`process_inputs` for a conversation rendered with the chat template."""
         _check_request_id(request_id)
         text, ids = self.render_chat(
-            messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-            chat_template_kwargs=chat_template_kwargs, tools=tools,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
         return self._build(
-            request_id, text, ids, params, arrival_time=arrival_time, lora_request=lora_request,
-            priority=priority, data_parallel_rank=data_parallel_rank, cache_salt=cache_salt,
+            request_id,
+            text,
+            ids,
+            params,
+            arrival_time=arrival_time,
+            lora_request=lora_request,
+            priority=priority,
+            data_parallel_rank=data_parallel_rank,
+            cache_salt=cache_salt,
             trace_headers=trace_headers,
         )
 
@@ -442,9 +461,7 @@ class InputProcessor:
         children: list[EngineCoreRequest] = []
         for index in range(sp.n):
             child_id, child_params = parent.get_child_info(index)
-            children.append(
-                _replace(base, request_id=child_id, sampling_params=child_params)
-            )
+            children.append(_replace(base, request_id=child_id, sampling_params=child_params))
         return ProcessedRequest(internal_id, external_id, text, ids, sp, children, parent)
 
 

@@ -111,8 +111,12 @@ class LogprobsProcessor:
                     _sampled_context_ids(self.prompt_logprobs),
                 )
             _append_position(
-                self.prompt_logprobs, token_ids_list[pos], logprobs_list[pos], decoded,
-                ranks_list[pos], self.num_prompt_logprobs,
+                self.prompt_logprobs,
+                token_ids_list[pos],
+                logprobs_list[pos],
+                decoded,
+                ranks_list[pos],
+                self.num_prompt_logprobs,
             )
 
     def _verify_tokens(
@@ -184,7 +188,8 @@ def _append_position(
     container.append(
         {
             token_id: Logprob(logprob=logprob, rank=r, decoded_token=token)
-            for token_id, logprob, r, token in zip(token_ids, logprobs, ranks, decoded,
-                                                  strict=False)
+            for token_id, logprob, r, token in zip(
+                token_ids, logprobs, ranks, decoded, strict=False
+            )
         }
     )

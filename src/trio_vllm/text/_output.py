@@ -91,8 +91,7 @@ class ParentRequest:
         else:
             self.output_aggregator[completion.index] = completion
             outputs = (
-                [] if self.child_requests
-                else [o for o in self.output_aggregator if o is not None]
+                [] if self.child_requests else [o for o in self.output_aggregator if o is not None]
             )
         return outputs, not self.child_requests
 
@@ -150,8 +149,7 @@ class RequestState:
             if not (
                 finished
                 or self.sent_tokens_offset == 0
-                or detokenizer.num_output_tokens() - self.sent_tokens_offset
-                >= self.stream_interval
+                or detokenizer.num_output_tokens() - self.sent_tokens_offset >= self.stream_interval
             ):
                 return None
             if delta:
@@ -169,12 +167,19 @@ class RequestState:
             else:
                 logprobs = list(logprobs)
         if finished:
-            output = CompletionOutput(self.request_index, text, token_ids,
-                                      lp.cumulative_logprob, logprobs, str(finish_reason),
-                                      stop_reason)
+            output = CompletionOutput(
+                self.request_index,
+                text,
+                token_ids,
+                lp.cumulative_logprob,
+                logprobs,
+                str(finish_reason),
+                stop_reason,
+            )
         else:
-            output = CompletionOutput(self.request_index, text, token_ids,
-                                      lp.cumulative_logprob, logprobs)
+            output = CompletionOutput(
+                self.request_index, text, token_ids, lp.cumulative_logprob, logprobs
+            )
         external_req_id = self.external_req_id
         parent = self.parent_req
         if parent is None:
@@ -190,8 +195,15 @@ class RequestState:
             prompt_logprobs = lp.pop_prompt_logprobs()
         else:
             prompt_logprobs = lp.prompt_logprobs
-        return RequestOutput(external_req_id, self.prompt, self.prompt_token_ids,
-                             prompt_logprobs, outputs, finished, self.num_cached_tokens)
+        return RequestOutput(
+            external_req_id,
+            self.prompt,
+            self.prompt_token_ids,
+            prompt_logprobs,
+            outputs,
+            finished,
+            self.num_cached_tokens,
+        )
 
 
 @dataclass

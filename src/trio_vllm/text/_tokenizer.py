@@ -46,8 +46,15 @@ _CONFIG_FILES: Final = (
     "chat_template.jinja",
     "chat_template.json",
 )
-_NAMED_SPECIAL: Final = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                         "cls_token", "mask_token")
+_NAMED_SPECIAL: Final = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -226,8 +233,11 @@ class Tokenizer:
         hf: Any = self._hf
         named = dict(special_tokens or {})
         if hf_tokenizer is not None:
-            named = {k: v for k, v in hf.special_tokens_map.items()
-                     if k in _NAMED_SPECIAL and isinstance(v, str)} | named
+            named = {
+                k: v
+                for k, v in hf.special_tokens_map.items()
+                if k in _NAMED_SPECIAL and isinstance(v, str)
+            } | named
             extra_special_tokens = [
                 *extra_special_tokens,
                 *(t for t in hf.all_special_tokens if t not in named.values()),
@@ -353,8 +363,11 @@ class Tokenizer:
         """The longest vocabulary piece, in characters (vLLM's bound for prompt text)."""
         value = self.__dict__.get("_max_chars")
         if value is None:
-            vocab = (self.backend.get_vocab(with_added_tokens=True) if self.backend is not None
-                     else self._hf.get_vocab())
+            vocab = (
+                self.backend.get_vocab(with_added_tokens=True)
+                if self.backend is not None
+                else self._hf.get_vocab()
+            )
             value = self.__dict__["_max_chars"] = max((len(t) for t in vocab), default=1)
         return int(value)
 
@@ -451,8 +464,9 @@ def _set_bos_eos_post_processor(
 
     bos = named.get("bos_token") if cfg.get("add_bos_token") else None
     eos = named.get("eos_token") if cfg.get("add_eos_token") else None
-    specials = [(t, i) for t in (bos, eos) if t is not None
-                and (i := backend.token_to_id(t)) is not None]
+    specials = [
+        (t, i) for t in (bos, eos) if t is not None and (i := backend.token_to_id(t)) is not None
+    ]
     if not specials:
         return
     b = f"{bos}:0 " if bos else ""
@@ -489,9 +503,16 @@ def _restore_leading_spaces(raw_token: str, token_str: str, marker: str) -> str:
 
 def _clean_up_tokenization(text: str) -> str:
     return (
-        text.replace(" .", ".").replace(" ?", "?").replace(" !", "!").replace(" ,", ",")
-        .replace(" ' ", "'").replace(" n't", "n't").replace(" 'm", "'m").replace(" 's", "'s")
-        .replace(" 've", "'ve").replace(" 're", "'re")
+        text.replace(" .", ".")
+        .replace(" ?", "?")
+        .replace(" !", "!")
+        .replace(" ,", ",")
+        .replace(" ' ", "'")
+        .replace(" n't", "n't")
+        .replace(" 'm", "'m")
+        .replace(" 's", "'s")
+        .replace(" 've", "'ve")
+        .replace(" 're", "'re")
     )
 
 
