@@ -167,9 +167,18 @@ class EngineCoreClient(NamedUtilities):
         self._addresses = parts.addresses
         self._events = EngineEvents()
         self._raw: Mailbox[EngineCoreOutputs] = Mailbox()
+        # Bound once: one call each per message (apply) and per batch (get_output).
+        self._queue_raw = self._raw.put_nowait
+        self._raw_check = self._raw.buffered_check
+        self._raw_take = self._raw.take_buffered
         self._dead_event = anyio.Event()
         self._receiver = Receiver(
-            self._session, self._sockets, self._wire, self._apply, lambda: self._scaling.join
+            self._session,
+            self._sockets,
+            self._wire,
+            self._apply,
+            self._queue_raw,
+            lambda: self._scaling.join,
         )
         self._drain_after_exit = self._receiver.drain_after_exit
         self._sender = Sender(self._input, self._session, self._wire, self._receiver.wake)
@@ -303,7 +312,7 @@ class EngineCoreClient(NamedUtilities):
             if type(action) is tuple:  # Deliver, the hot path: one per output
                 action[0].deliver(action[1])
             elif type(action) is QueueRaw:
-                self._raw.put_nowait(action.outputs)
+                self._queue_raw(action.outputs)
             elif isinstance(action, ResolveCall):
                 call = action.handle
                 call.failure, call.result = action.failure, action.result
@@ -398,13 +407,13 @@ class EngineCoreClient(NamedUtilities):
         self._owner.check("get_output")
         session = self._session
         session.raw_called = True  # session.raw_api_used(), inlined: once per batch
-        raw = self._raw
-        check = raw.buffered_check()
+        check = self._raw_check()
         if check is not None:
             # The mailbox's buffered path without a coroutine of its own (one per
             # batch): the cancellation check only; a cancelled call consumed nothing.
             await check()
-            return raw.take_buffered()
+            return self._raw_take()
+        raw = self._raw
         if len(raw):  # nothing to wait for: no waiter to count
             return await raw.__anext__()  # never StopAsyncIteration: raw never ends
         session.raw_waiters += 1

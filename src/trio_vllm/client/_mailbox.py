@@ -40,6 +40,7 @@ T = TypeVar("T")
 # output was a large part of the raw API's CPU at 1 output per message (bench firehose)
 # and most of a lagging stream consumer's (bench sync; docs/performance.md).
 YIELD_INTERVAL: Final = 0.001
+_monotonic: Final = time.monotonic  # bound once: read on every buffered receive
 
 
 class _Wakeup(Protocol):
@@ -225,7 +226,7 @@ class Mailbox(Generic[T]):
         when an item is buffered and this mailbox yielded to other tasks less than
         `YIELD_INTERVAL` ago, the cancellation check to await before `take_buffered`
         (instead of a full scheduler pass); otherwise ``None`` (use ``__anext__``)."""
-        if self._pending and time.monotonic() < self._yield_due:
+        if self._pending and _monotonic() < self._yield_due:
             check = self._check_cancelled
             if check is None:
                 # The running backend's cancellation check (trio's own on trio; on
@@ -236,8 +237,10 @@ class Mailbox(Generic[T]):
 
     def take_buffered(self) -> T:
         """The next buffered item, after the check `buffered_check` returned was awaited
-        (not a checkpoint; an await between the two may have emptied the queue)."""
-        return self._take()
+        (not a checkpoint). A plain mailbox's `_take` is the pop itself, so this is it
+        too (one call less per batch on ``get_output``'s path); a subclass with its own
+        `_take` bookkeeping overrides this as well."""
+        return self._pending.popleft()
 
     def __aiter__(self) -> Mailbox[T]:
         return self
@@ -249,7 +252,7 @@ class Mailbox(Generic[T]):
         # (`buffered_check` is this test as a method, for callers that wrap a receive;
         # here it stays inline: this is the per-output path of every stream.)
         if self._pending:
-            if time.monotonic() < self._yield_due:
+            if _monotonic() < self._yield_due:
                 check = self._check_cancelled
                 if check is None:
                     check = self._check_cancelled = backend_check()
@@ -258,7 +261,7 @@ class Mailbox(Generic[T]):
             await anyio.lowlevel.checkpoint()
         while True:
             if self._pending:
-                self._yield_due = time.monotonic() + YIELD_INTERVAL
+                self._yield_due = _monotonic() + YIELD_INTERVAL
                 return self._take()
             if self._at_end() or self._error is not None:
                 await anyio.lowlevel.checkpoint()

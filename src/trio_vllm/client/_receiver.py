@@ -25,6 +25,7 @@ from ._startup import _bytes
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from ..protocol.structs import EngineCoreOutputs
     from ..transport import AsyncSocket
     from ._startup import HandshakeRun, Sockets
     from ._types import Session, ShellAction
@@ -66,6 +67,7 @@ class Receiver:
         sockets: Sockets,
         wire: Wire,
         apply: Callable[[list[ShellAction]], None],
+        queue_raw: Callable[[EngineCoreOutputs], None],
         join: Callable[[], HandshakeRun | None],
     ) -> None:
         self._session = session
@@ -73,6 +75,7 @@ class Receiver:
         self._input = sockets.input
         self._wire = wire
         self._apply = apply
+        self._queue_raw = queue_raw  # what apply does for a QueueRaw: the raw mailbox's put
         self._join = join
         self.closing = False  # open_client is closing: a closed socket is no death
         self._receiving = False
@@ -98,6 +101,7 @@ class Receiver:
         decode = self._wire.decode_outputs
         receive = session.receive
         apply = self._apply
+        queue_raw = self._queue_raw
         self._receiving = True
         try:
             while not session.dead:
@@ -116,9 +120,17 @@ class Receiver:
                         for frames in await socket.receive_batch(max_bytes=limit):
                             actions = receive(decode(frames))
                             if actions:
-                                if type(actions[-1]) is QueueRaw:  # appended last
+                                last = actions[-1]
+                                if type(last) is QueueRaw:  # appended last
                                     self._raw_batch = True
-                                apply(actions)
+                                    if len(actions) == 1:
+                                        # The raw API's one action per message:
+                                        # apply's dispatch skipped, its effect kept.
+                                        queue_raw(last.outputs)
+                                    else:
+                                        apply(actions)
+                                else:
+                                    apply(actions)
                             if session.death is not None:
                                 return
                 self._scope = None

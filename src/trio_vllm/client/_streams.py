@@ -250,6 +250,9 @@ class RequestStream(Mailbox[EngineCoreOutput]):
             self._done = True
         return output
 
+    def take_buffered(self) -> EngineCoreOutput:
+        return self._take()
+
     def _take_all(self) -> list[EngineCoreOutput]:
         # Only the last output needs _take's bookkeeping (a pending merge, the final
         # output: nothing is queued after it).
