@@ -1,13 +1,17 @@
 from __future__ import annotations
 
 import gc
+import os
+import shutil
+import tempfile
+import time
 from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Generator, Iterator
 
 # Property tests must not depend on how fast the machine runs them: a loaded 2-core CI
 # box (or a stock engine freezing every process for seconds) can stall one example past
@@ -46,3 +50,61 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+# ---------------------------------------------------------------------- ipc leftovers
+# A client removes its ipc directory (``trio-vllm-*`` in the temporary directory) on
+# every exit but SIGKILL. The run gets a temporary directory of its own (inherited by
+# every engine, server and CLI process through TMPDIR), so that what is left in it at the
+# end is this run's, whoever else runs tests on the machine; a leftover fails the run,
+# naming the test after which it appeared. A test that SIGKILLs a client on purpose
+# gives that client a TMPDIR of its own (tests/client/test_orphans.py).
+_IPC_PREFIX = "trio-vllm-"
+_run_tmp: str | None = None
+_appeared_after: dict[str, str] = {}
+
+
+def _ipc_entries() -> set[str]:
+    assert _run_tmp is not None
+    return {name for name in os.listdir(_run_tmp) if name.startswith(_IPC_PREFIX)}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _run_tmp
+    _run_tmp = tempfile.mkdtemp(prefix="tv-run-")
+    os.environ["TMPDIR"] = _run_tmp
+    tempfile.tempdir = None  # gettempdir() caches its first answer; ask again
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    before = _ipc_entries()
+    try:
+        return (yield)
+    finally:
+        for name in _ipc_entries() - before:
+            _appeared_after.setdefault(name, item.nodeid)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own tmp_path cleanup
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _run_tmp is None:
+        return
+    # A process stopped by the last test may still be removing its directory.
+    deadline = time.monotonic() + 10
+    while (left := _ipc_entries()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left:
+        lines = [f"ipc directories left in this run's temporary directory {_run_tmp}:"]
+        for name in sorted(left):
+            inside = sorted(os.listdir(os.path.join(_run_tmp, name)))
+            lines.append(f"  {name} {inside} (appeared during {_appeared_after.get(name, '?')})")
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_sep("=", "FAILED: ipc directories left behind", red=True)
+            reporter.write_line("\n".join(lines), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    elif session.exitstatus == pytest.ExitCode.OK:
+        shutil.rmtree(_run_tmp, ignore_errors=True)
+    # Otherwise it is kept for a look, with the failed tests' tmp_path directories.

@@ -71,7 +71,7 @@ async def test_many_concurrent_streams_are_independent() -> None:
             async with client.generate(make_request(prompt, max_tokens=20 + i)) as stream:
                 results[i] = await stream.collect()
 
-        with anyio.fail_after(20):
+        with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
                 for i in range(20):
                     tg.start_soon(run, i)
@@ -88,7 +88,7 @@ async def test_slow_consumer_does_not_block_others_and_is_coalesced() -> None:
             client.generate(slow_request, max_pending=4) as slow,
             client.generate(fast_request) as fast,
         ):
-            with anyio.fail_after(20):
+            with anyio.fail_after(30):
                 # The fast stream completes while the slow one is not read at all.
                 assert await fast.collect() == echo_tokens([8, 9, 10], 300)
                 while not slow.finished:  # noqa: ASYNC110 - polling a flag, no event exists
@@ -107,7 +107,7 @@ async def test_leaving_generate_early_aborts_on_the_engine(how: str) -> None:
     engines = ReferenceEngines(model="echo", extra_args=LONG)
     async with open_client(engines, ready_timeout=30) as client:
         request = make_request([1, 2, 3], max_tokens=900_000)
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             if how == "break":
                 async with client.generate(request) as stream:
                     async for _ in stream:
@@ -187,7 +187,7 @@ async def test_raw_api_add_get_abort() -> None:
             await client.add_request(make_request([10 + i], max_tokens=5, request_id=rid))
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         finished: set[str] = set()
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             while len(finished) < 3:
                 batch = await client.get_output()
                 for out in batch.outputs:
@@ -269,7 +269,7 @@ async def test_cancelling_one_caller_does_not_affect_others() -> None:
                 results.append(await stream.collect())
             results.append(await echo(client, "ok"))
 
-        with anyio.fail_after(20):
+        with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(survivor)
                 for _ in range(3):
@@ -354,7 +354,7 @@ async def test_deferred_utility_reply_out_of_order() -> None:
             await client.pause_scheduler("wait", False)
             order.append("pause")
 
-        with anyio.fail_after(20):
+        with anyio.fail_after(30):
             prompt = [1, 2] * 499_000
             async with client.generate(make_request(prompt, max_tokens=1000)) as stream:
                 # Wait until the request runs: reset_prefix_cache() refuses (False) while

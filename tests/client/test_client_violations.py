@@ -23,7 +23,7 @@ pytestmark = pytest.mark.anyio
 async def _stream_until_death(fault: str, n: int) -> EngineDeadError:
     async with open_client(FakeEngines(fault, n), ready_timeout=20) as client:
         request = make_request([1, 2, 3], max_tokens=1000)
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             async with client.generate(request) as stream:
                 with pytest.raises(EngineDeadError) as info:
                     async for _ in stream:
@@ -101,7 +101,7 @@ async def test_outputs_queued_before_exit_are_delivered_first() -> None:
                 async for out in stream:
                     tokens.extend(out.new_token_ids)
 
-            with pytest.raises(EngineDeadError, match="exited with code 5"), anyio.fail_after(10):
+            with pytest.raises(EngineDeadError, match="exited with code 5"), anyio.fail_after(30):
                 await consume()
         assert tokens == [1, 2, 3, 1]
 
@@ -109,9 +109,9 @@ async def test_outputs_queued_before_exit_are_delivered_first() -> None:
 async def test_exit_during_startup_names_code_and_output() -> None:
     start = time.monotonic()
     with pytest.raises(EngineStartupError) as info:
-        async with open_client(FakeEngines("exit-before-hello"), ready_timeout=30):
+        async with open_client(FakeEngines("exit-before-hello"), ready_timeout=600):
             pytest.fail("startup should fail")
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30  # noticed at the exit, not at the ready_timeout
     message = str(info.value)
     assert "exited with code 7" in message
     assert "failing before HELLO" in message

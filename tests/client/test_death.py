@@ -182,7 +182,7 @@ async def test_death_before_any_request_is_noticed() -> None:
 async def test_engine_core_dead_frame_fails_streams() -> None:
     engines = ReferenceEngines(model="echo", faults=["--dead-after-steps", "3"])
     async with open_client(engines, ready_timeout=30) as client:
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             async with client.generate(make_request([1, 2], max_tokens=100)) as stream:
                 with pytest.raises(EngineDeadError, match="ENGINE_CORE_DEAD"):
                     await stream.collect()
@@ -192,7 +192,7 @@ async def test_engine_core_dead_frame_fails_streams() -> None:
 async def test_silent_exit_fails_streams() -> None:
     engines = ReferenceEngines(model="echo", faults=["--die-after-steps", "3"])
     async with open_client(engines, ready_timeout=30) as client:
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             async with client.generate(make_request([1, 2], max_tokens=100)) as stream:
                 with pytest.raises(EngineDeadError, match="exited with code 1"):
                     await stream.collect()
@@ -221,7 +221,7 @@ async def test_outputs_before_death_are_delivered_first() -> None:
 async def test_garbage_frame_is_protocol_error_cause() -> None:
     engines = ReferenceEngines(model="echo", faults=["--garbage-after-steps", "2"])
     async with open_client(engines, ready_timeout=30) as client:
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             async with client.generate(make_request([1], max_tokens=100)) as stream:
                 with pytest.raises(EngineDeadError) as info:
                     await stream.collect()
@@ -233,9 +233,9 @@ async def test_crash_during_startup_reports_exit_and_output() -> None:
     engines = ReferenceEngines(model="echo", faults=["--crash-on-startup", "no GPU for you"])
     start = time.monotonic()
     with pytest.raises(EngineStartupError) as info:
-        async with open_client(engines, ready_timeout=30):
+        async with open_client(engines, ready_timeout=600):
             pytest.fail("startup must fail")
-    assert time.monotonic() - start < 20  # noticed at the exit, not at the 30 s ready_timeout
+    assert time.monotonic() - start < 30  # noticed at the exit, not at the ready_timeout
     message = str(info.value)
     print(message)
     assert "exited with code 1" in message
@@ -245,12 +245,12 @@ async def test_crash_during_startup_reports_exit_and_output() -> None:
 
 
 async def test_startup_timeout_stops_the_engine() -> None:
-    engines = ReferenceEngines(model="echo", faults=["--startup-delay", "30"])
+    engines = ReferenceEngines(model="echo", faults=["--startup-delay", "600"])
     start = time.monotonic()
     with pytest.raises(EngineStartupError) as info:
         async with open_client(engines, ready_timeout=1):
             pytest.fail("startup must time out")
-    assert time.monotonic() - start < 20  # ready_timeout and grace, not the 30 s delay
+    assert time.monotonic() - start < 30  # ready_timeout and grace, not the 600 s delay
     message = str(info.value)
     assert "did not become ready within 1 s" in message
     assert "rank(s) [0]" in message

@@ -1,7 +1,8 @@
 """Nothing outlives ``open_client``: tasks, threads, fds, sockets, processes, ipc files.
 
-Each exit path (return, exception, cancellation, failed startup, cancelled startup)
-is checked against a snapshot taken before the client was opened.
+Each exit path (return, exception, cancellation, an engine's death, failed startup,
+cancelled startup) is checked against a snapshot taken before the client was opened,
+the ipc directories (``trio-vllm-*`` in the temporary directory) included.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import asyncio
 import os
 import re
 import signal
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -43,6 +45,12 @@ def live_tasks() -> int:
     return count
 
 
+def ipc_dirs() -> set[str]:
+    """The ``trio-vllm-*`` entries of the temporary directory (the run's own, see
+    tests/conftest.py: no other run's clients come and go there)."""
+    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("trio-vllm-")}
+
+
 def os_threads() -> int:
     """Threads of this process as the kernel sees them (includes ZeroMQ's I/O threads)."""
     return len(os.listdir("/proc/self/task"))
@@ -55,6 +63,7 @@ class Snapshot:
     os_threads: int
     fds: set[int]
     children: set[int]
+    ipc_dirs: set[str]
 
     @classmethod
     async def take(cls) -> Snapshot:
@@ -70,7 +79,14 @@ class Snapshot:
         # depends on how many jobs happened to overlap, so idle ones are a cache, not a leak.
         names = thread_names()
         idle = {name for name in names if _IDLE_TRIO_WORKER.fullmatch(name)}
-        return cls(live_tasks(), names - idle, os_threads() - len(idle), open_fds(), child_pids())
+        return cls(
+            live_tasks(),
+            names - idle,
+            os_threads() - len(idle),
+            open_fds(),
+            child_pids(),
+            ipc_dirs(),
+        )
 
     async def assert_nothing_left(self, pids: list[int], ipc_paths: list[str]) -> None:
         after = await Snapshot.take()
@@ -79,6 +95,7 @@ class Snapshot:
         assert after.os_threads <= self.os_threads, "a native thread (ZeroMQ I/O?) is left"
         assert after.fds <= self.fds, f"fds left: {sorted(after.fds - self.fds)}"
         assert after.children <= self.children, f"children left: {after.children}"
+        assert after.ipc_dirs <= self.ipc_dirs, f"ipc left: {after.ipc_dirs - self.ipc_dirs}"
         for pid in pids:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)  # neither running nor a zombie
@@ -151,13 +168,13 @@ async def test_failed_startup_leaves_nothing() -> None:
 async def test_cancelled_startup_leaves_nothing() -> None:
     await _warm_up()
     before = await Snapshot.take()
-    engines = ReferenceEngines(2, model="echo", faults=["--startup-delay", "30"])
+    engines = ReferenceEngines(2, model="echo", faults=["--startup-delay", "600"])
     start = time.monotonic()
     with anyio.move_on_after(1.0) as scope:
-        async with open_client(engines, ready_timeout=60):
+        async with open_client(engines, ready_timeout=900):
             pytest.fail("must not start")
     assert scope.cancelled_caught
-    assert time.monotonic() - start < 20  # not the 30 s of the startup delay
+    assert time.monotonic() - start < 30  # not the 600 s of the startup delay
     await before.assert_nothing_left([], [])
 
 
@@ -168,7 +185,7 @@ async def test_engine_ignoring_sigterm_is_killed_after_grace() -> None:
         pids = list(client.engine_pids.values())
         start = time.monotonic()
     elapsed = time.monotonic() - start
-    assert 0.45 < elapsed < 5, elapsed
+    assert 0.45 < elapsed < 30, elapsed  # it would never exit without the SIGKILL
     await before.assert_nothing_left(pids, [])
 
 

@@ -27,7 +27,7 @@ async def test_startup_and_death_are_logged(caplog: pytest.LogCaptureFixture) ->
             await stream.collect()
         assert caplog.records == []  # nothing per request or output at INFO
         os.kill(client.engine_pids[0], signal.SIGKILL)
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             await client.wait_dead()
         with pytest.raises(EngineDeadError):
             await client.call_utility("is_sleeping")

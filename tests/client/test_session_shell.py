@@ -88,7 +88,7 @@ async def test_retire_rank_fails_a_call_pending_on_the_retired_rank() -> None:
             except EngineDeadError as exc:
                 outcome.append(exc)
 
-        with anyio.fail_after(20):
+        with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(call)
                 while client.pending_utility_calls == 0:  # noqa: ASYNC110

@@ -101,7 +101,7 @@ async def test_entry_point_stops_when_its_parent_dies() -> None:
     shell, launcher = _start_orphan_launcher(1)
     try:
         engines: list[int] = []
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             while not engines:
                 await anyio.sleep(0.05)
                 engines = _descendants(launcher)
@@ -109,7 +109,7 @@ async def test_entry_point_stops_when_its_parent_dies() -> None:
     finally:
         _kill(shell)  # the client dies without stopping its engines
     start = time.monotonic()
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         while any(_alive(pid) for pid in (launcher, *engines)):  # noqa: ASYNC110
             await anyio.sleep(0.05)
     print(f"orphaned launcher stopped itself after {time.monotonic() - start:.2f} s")
@@ -124,7 +124,7 @@ async def test_stop_leaves_no_shared_memory_of_killed_engine_cores() -> None:
     path = Path("/dev/shm") / name
     source = VllmEngines("m", python=sys.executable, extra_args=["--fake-shm", name], env=ENV)
     try:
-        async with open_client(source, ready_timeout=30, shutdown_grace=20) as client:
+        async with open_client(source, ready_timeout=30, shutdown_grace=60) as client:
             launcher = client.engine_pids[0]
             with anyio.fail_after(30):
                 while not path.exists():  # noqa: ASYNC110 - a file, nothing to wait on
@@ -135,8 +135,8 @@ async def test_stop_leaves_no_shared_memory_of_killed_engine_cores() -> None:
         elapsed = time.monotonic() - start
         assert not _alive(launcher)
         assert not path.exists(), "the killed engine core's segment was left behind"
-        # The launcher exited after the cleanup, not at the end of the grace.
-        assert elapsed < 15, elapsed
+        # The launcher exited after the cleanup, not at the end of the 60 s grace.
+        assert elapsed < 30, elapsed
     finally:
         if path.exists():
             path.unlink()

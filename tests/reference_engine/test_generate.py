@@ -115,8 +115,13 @@ def test_continuous_batching_and_limits(spawn) -> None:  # type: ignore[no-untyp
 def test_stats_respect_max_num_seqs(spawn) -> None:  # type: ignore[no-untyped-def]
     fe = spawn(["--max-num-seqs", "2"])
     reqs = [request(list(b"hello"), max_tokens=5) for _ in range(5)]
+    # All five are in before the first step, whatever the machine's speed (the engine
+    # could otherwise finish the first two before the last ones arrive): the scheduler
+    # is paused while they go in, on the same socket, so in that order.
+    assert fe.call("pause_scheduler", "keep") == (None, None)
     for r in reqs:
         fe.add(r)
+    assert fe.call("resume_scheduler") == (None, None)
     open_ids = {r.request_id for r in reqs}
     max_running = 0
     waiting_seen = 0

@@ -65,7 +65,7 @@ def _request(rid: str = "ok", **sampling: Any) -> EngineCoreRequest:
 
 async def test_duplicate_live_request_ids_are_refused() -> None:
     async with peer_client() as (client, peer):
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             async with client.generate(make_request([1], request_id="dup")):
                 for api in ("add_request", "generate"):
                     with pytest.raises(ValueError, match="'dup' is already live"):
@@ -250,7 +250,7 @@ async def test_duplicate_id_across_data_parallel_ranks_is_refused() -> None:
     ) as engines:
         client = engines.client
         request = make_request([1], max_tokens=900_000, request_id="dp-dup")
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             async with client.generate(request, rank=0) as stream:
                 await stream.receive()
                 for rank in (0, 1):

@@ -89,7 +89,7 @@ async def _run(
     """Start a request, let the peer queue ``queued`` outputs for it, ``die()``, then
     consume: every queued token first, then EngineDeadError."""
     request = make_request([7, 8], max_tokens=5000, request_id="victim")
-    with anyio.fail_after(20):
+    with anyio.fail_after(30):
         if consumer == "stream":
             async with client.generate(request, max_pending=4096) as stream:
                 await peer.wait_for(1)

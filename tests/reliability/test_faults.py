@@ -177,7 +177,7 @@ async def _inject_and_wait(
 ) -> tuple[InFlight, float]:
     client = engines.client
     inflight = InFlight(client)
-    with anyio.fail_after(20):
+    with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             await inflight.start(tg)
             control = engines.control(rank)
@@ -258,7 +258,7 @@ async def test_stall_blocks_only_until_the_callers_deadline(count: int) -> None:
         async def raw() -> None:
             await client.get_output()
 
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(with_deadline, "stream", stream)
                 tg.start_soon(with_deadline, "get_output", raw)
@@ -274,7 +274,7 @@ async def test_stall_blocks_only_until_the_callers_deadline(count: int) -> None:
         for control in engines.controls:
             assert (await control.status()).stalled
             await control.unstall()
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             assert "generate" in await client.get_supported_tasks()
             async with client.generate(make_request([4, 5], max_tokens=4)) as s:
                 assert await s.collect() == [4, 5, 4, 5]
@@ -309,7 +309,7 @@ async def test_failing_utility_fails_only_that_call(count: int) -> None:
             await client.wait_dead()
             dead_waiter_done = True
 
-        with anyio.fail_after(20):
+        with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(read_raw)
                 tg.start_soon(wait_dead)
@@ -373,7 +373,7 @@ async def test_slow_start_past_ready_timeout() -> None:
     rank still loading; the process is stopped."""
     engines = ReferenceEngines(model="echo", faults=["--startup-delay", "60"])
     start = time.monotonic()
-    with anyio.fail_after(20), pytest.raises(EngineStartupError) as info:
+    with anyio.fail_after(30), pytest.raises(EngineStartupError) as info:
         async with open_client(engines, ready_timeout=1, shutdown_grace=1):
             pytest.fail("startup must time out")
     elapsed = time.monotonic() - start
@@ -397,14 +397,14 @@ async def test_slow_start_cancelled_by_the_caller() -> None:
 async def test_crash_at_startup(count: int) -> None:
     engines = ReferenceEngines(count, model="echo", faults=["--crash-on-startup", "out of cheese"])
     start = time.monotonic()
-    with anyio.fail_after(30), pytest.raises(EngineStartupError) as info:
-        async with open_client(engines, ready_timeout=30):
+    with anyio.fail_after(60), pytest.raises(EngineStartupError) as info:
+        async with open_client(engines, ready_timeout=600):
             pytest.fail("startup must fail")
     elapsed = time.monotonic() - start
     message = str(info.value)
     assert "exited with code 1" in message
     assert "out of cheese" in message
-    assert elapsed < 20, elapsed  # noticed at the exit, not at the 30 s ready_timeout
+    assert elapsed < 30, elapsed  # noticed at the exit, not at the 600 s ready_timeout
 
 
 @pytest.mark.parametrize(
@@ -414,7 +414,7 @@ async def test_startup_flag_faults_mid_stream(fault: str) -> None:
     """The same faults set at startup (after N steps) instead of at run time."""
     engines = ReferenceEngines(model="echo", faults=[fault, "5"])
     async with open_client(engines, ready_timeout=30) as client:
-        with anyio.fail_after(10):
+        with anyio.fail_after(30):
             async with client.generate(make_request([1], max_tokens=100)) as stream:
                 with pytest.raises(EngineDeadError):
                     await stream.collect()

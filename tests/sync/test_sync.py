@@ -182,9 +182,10 @@ def test_unaborted_request_keeps_engine_busy(backend: str) -> None:
         stream = client.generate(make_request([1, 2, 3], max_tokens=900_000))
         next(stream)
         assert not engine_is_idle(client, probe_s=3)
-        # Closing the client with the stream open aborts it and returns promptly.
+        # Closing the client with the stream open aborts it and returns promptly, not
+        # after the 900,000 tokens (a hang guard: how promptly measures the machine).
         started = time.monotonic()
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 30
     assert stream.closed
 
 
@@ -207,7 +208,7 @@ def test_engine_death_raises_in_blocked_callers(backend: str) -> None:
         waiter.start()
         time.sleep(0.2)
         os.kill(pid, signal.SIGKILL)
-        waiter.join(timeout=5)
+        waiter.join(timeout=30)  # a hang guard
         assert not waiter.is_alive()
         assert len(errors) == 1
         assert isinstance(errors[0], EngineDeadError)
@@ -389,7 +390,7 @@ def test_interrupt_while_blocked_cancels_only_that_call(backend: str) -> None:
         started = time.monotonic()
         with interrupt_after(0.3), pytest.raises(Interrupted):
             c.get_output()
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 30  # nothing else would end it: a hang guard
         # The cancelled call consumed nothing: the next output reaches the next call.
         request = make_request([8], max_tokens=1)
         c.add_request(request)
@@ -402,12 +403,12 @@ def test_interrupt_while_blocked_cancels_only_that_call(backend: str) -> None:
 
 def test_interrupted_startup_stops_the_engine_and_the_thread(backend: str) -> None:
     """Ctrl-C (here: a signal handler raising) while waiting for slow engines."""
-    engines = ReferenceEngines(model="echo", faults=["--startup-delay", "60"])
+    engines = ReferenceEngines(model="echo", faults=["--startup-delay", "600"])
     children = set(_children(os.getpid()))
-    client = SyncClient(engines, backend=backend, ready_timeout=120)
+    client = SyncClient(engines, backend=backend, ready_timeout=900)
     started = time.monotonic()
     with interrupt_after(1.0), pytest.raises(Interrupted):
         client.__enter__()
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < 30  # not the 600 s of the delay: a hang guard
     assert not any(t.name == "trio-vllm-sync" for t in threading.enumerate())
     assert set(_children(os.getpid())) <= children, "the engine process outlived startup"

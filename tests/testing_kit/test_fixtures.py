@@ -38,7 +38,7 @@ trio_only = pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_client_and_control_fixtures(
     engine_client: EngineCoreClient, engine_control: EngineControl
 ) -> None:
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         async with engine_client.generate(make_request([3, 1, 4], max_tokens=7)) as stream:
             assert await stream.collect() == echo_continuation([3, 1, 4], 7)
         status = await engine_control.status()
@@ -56,7 +56,7 @@ async def test_marker_configures_the_engines(reference_engines: ReferenceEngineS
     assert reference_engines.config.count == 2
     assert client.vllm_version == "0.25.1"
     assert reference_engines.ranks == client.ranks == [0, 1]
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         statuses = await reference_engines.statuses()
     assert [s.pid for s in statuses] == [client.engine_pids[0], client.engine_pids[1]]
     assert reference_engines.control(1).pid == client.engine_pids[1]
@@ -69,7 +69,7 @@ async def test_marker_configures_the_engines(reference_engines: ReferenceEngineS
 async def test_kill_while_streaming(
     engine_client: EngineCoreClient, engine_control: EngineControl
 ) -> None:
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         async with engine_client.generate(make_request([1, 2], max_tokens=500_000)) as stream:
             await stream.receive()
             started = time.monotonic()
@@ -87,7 +87,7 @@ async def test_kill_while_streaming(
 @trio_only
 @pytest.mark.reference_engines(faults=("--die-after-steps", "3"))
 async def test_startup_fault_flags(engine_client: EngineCoreClient) -> None:
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         async with engine_client.generate(make_request([1, 2], max_tokens=50)) as stream:
             with pytest.raises(EngineDeadError, match="engine process died"):
                 await stream.collect()
@@ -98,7 +98,7 @@ async def test_startup_fault_flags(engine_client: EngineCoreClient) -> None:
 @pytest.mark.reference_engines(extra_args=LONG)
 async def test_engine_core_dead_now(reference_engines: ReferenceEngineSet) -> None:
     client = reference_engines.client
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         async with client.generate(make_request([5, 6], max_tokens=500_000)) as stream:
             await stream.receive()
             await reference_engines.control().send_engine_dead()
@@ -113,7 +113,7 @@ async def test_engine_core_dead_now(reference_engines: ReferenceEngineSet) -> No
 async def test_garbage_frame_now(
     engine_client: EngineCoreClient, engine_control: EngineControl
 ) -> None:
-    with anyio.fail_after(10):
+    with anyio.fail_after(30):
         await engine_control.send_garbage()
         error = await assert_client_dies(engine_client, within=10.0)  # a hang guard
     assert isinstance(error.__cause__, ProtocolError)
@@ -124,7 +124,7 @@ async def test_garbage_frame_now(
 async def test_stall_delay_and_failing_utility(
     engine_client: EngineCoreClient, engine_control: EngineControl
 ) -> None:
-    with anyio.fail_after(20):
+    with anyio.fail_after(30):
         await engine_control.stall()
         assert (await engine_control.status()).stalled
         async with engine_client.generate(make_request([7, 8], max_tokens=4)) as stream:
@@ -167,7 +167,7 @@ async def test_pytest_trio_and_indirect_parametrization(
     client = reference_engines.client
     assert client.vllm_version == reference_engine_config.protocol
     assert len(client.ranks) == reference_engine_config.count
-    with trio.fail_after(10):
+    with trio.fail_after(30):
         async with client.generate(make_request([2, 7], max_tokens=5)) as stream:
             assert await stream.collect() == echo_continuation([2, 7], 5)
 

@@ -217,7 +217,7 @@ async def test_stops_when_a_run_kills_the_client(reference_engines: ReferenceEng
         await reference_engines.control().kill()
         await client.wait_dead()
 
-    with anyio.fail_after(20):
+    with anyio.fail_after(30):
         report = await check_cancellation(kills_the_engine, engines=reference_engines)
     assert report.broken_at("client-dead") == [None]
     assert len(report.runs) == 1
