@@ -31,11 +31,12 @@ import anyio
 import pytest
 
 import trio_vllm as tv
-from reliability._peer import peer_client
 from server._util import raw_request, serving
 from trio_vllm import EngineCoreRequest, InvalidRequestError, SamplingParams, make_request
 from trio_vllm.llm import open_llm
 from trio_vllm.protocol import rules as R
+
+from ._peer import peer_client
 
 if TYPE_CHECKING:
     from trio_vllm.llm import LLM

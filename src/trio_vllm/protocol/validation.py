@@ -60,27 +60,6 @@ __all__ = [
 ]
 
 
-def _limits(
-    *,
-    max_model_len: int | None = None,
-    vocab_size: int | None = None,
-    max_logprobs: int | None = None,
-    supports_lora: bool | None = None,
-    supported_tasks: Collection[str] | None = None,
-    num_clients: int | None = None,
-    structured_output_backend: str | None = None,
-) -> Limits:
-    return Limits(
-        max_model_len=max_model_len,
-        vocab_size=vocab_size,
-        max_logprobs=max_logprobs,
-        supports_lora=supports_lora,
-        supported_tasks=None if supported_tasks is None else frozenset(supported_tasks),
-        num_clients=num_clients,
-        structured_output_backend=structured_output_backend,
-    )
-
-
 def check_sampling_params(
     params: SamplingParams, limits: Limits = NO_LIMITS, *, engine_only: bool = True
 ) -> Violation | None:
@@ -137,7 +116,7 @@ def validate_sampling_params(
     """Check ``params`` the way a stock engine's decoder and pre-processor would;
     `InvalidRequestError` with vLLM's message if a rule is broken."""
     del request_id  # kept for a stable signature; messages are vLLM's, without the id
-    limits = _limits(
+    limits = Limits(
         max_logprobs=max_logprobs,
         vocab_size=vocab_size,
         structured_output_backend=structured_output_backend,
@@ -160,7 +139,8 @@ def validate_pooling_params(
             f"pooling_params must be a PoolingParams, got {type(params).__name__}",
             field="pooling_params",
         )
-    POOLING.raise_for(params, _limits(supported_tasks=supported_tasks), engine_only=True)
+    tasks = None if supported_tasks is None else frozenset(supported_tasks)
+    POOLING.raise_for(params, Limits(supported_tasks=tasks), engine_only=True)
 
 
 def validate_lora_request(
@@ -171,7 +151,7 @@ def validate_lora_request(
 ) -> None:
     """Check a LoRA adapter reference (an invalid one kills the engine's input thread)."""
     del request_id
-    LORA.raise_for(lora, _limits(supports_lora=supports_lora), engine_only=True)
+    LORA.raise_for(lora, Limits(supports_lora=supports_lora), engine_only=True)
 
 
 def validate_request(
@@ -197,12 +177,12 @@ def validate_request(
     """
     del profile  # no release-specific rules yet; kept for a stable signature
     if limits is None:
-        limits = _limits(
+        limits = Limits(
             max_model_len=max_model_len,
             vocab_size=vocab_size,
             max_logprobs=max_logprobs,
             supports_lora=supports_lora,
-            supported_tasks=supported_tasks,
+            supported_tasks=None if supported_tasks is None else frozenset(supported_tasks),
             num_clients=num_clients,
             structured_output_backend=structured_output_backend,
         )

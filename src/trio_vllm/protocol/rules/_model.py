@@ -43,16 +43,19 @@ def _max_logprobs(limits: Limits) -> int | None:
 
 @SAMPLING_LIMITS.rule("logprobs", param="logprobs", example={"logprobs": 21}, http={"logprobs": 21})
 def _logprobs_max(p: SamplingParams, limits: Limits) -> Fail | None:
-    n = p.logprobs
+    return _at_most_max_logprobs("sample", p.logprobs, limits)
+
+
+def _at_most_max_logprobs(kind: str, n: int | None, limits: Limits) -> Fail | None:
     if not n:
         return None
     top = _max_logprobs(limits)
-    if n == -1:
+    if n == -1:  # the whole vocabulary
         if limits.vocab_size is None:
             return None
         n = limits.vocab_size
     if top is not None and n > top:
-        return f"Requested sample logprobs of {n}, which is greater than max allowed: {top}", n
+        return f"Requested {kind} logprobs of {n}, which is greater than max allowed: {top}", n
     return None
 
 
@@ -94,17 +97,7 @@ def _logprob_token_ids(p: SamplingParams, limits: Limits) -> Fail | None:
 
 @SAMPLING_LIMITS.rule("prompt_logprobs", param="prompt_logprobs", example={"prompt_logprobs": 30})
 def _prompt_logprobs_max(p: SamplingParams, limits: Limits) -> Fail | None:
-    n = p.prompt_logprobs
-    if not n:
-        return None
-    top = _max_logprobs(limits)
-    if n == -1:
-        if limits.vocab_size is None:
-            return None
-        n = limits.vocab_size
-    if top is not None and n > top:
-        return f"Requested prompt logprobs of {n}, which is greater than max allowed: {top}", n
-    return None
+    return _at_most_max_logprobs("prompt", p.prompt_logprobs, limits)
 
 
 @SAMPLING_LIMITS.rule(

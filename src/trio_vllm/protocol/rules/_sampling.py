@@ -222,24 +222,23 @@ def _stream_interval(p: SamplingParams, limits: Limits) -> Fail | None:
     return f"stream_interval must be at least 1, got {v}.", v
 
 
-@SAMPLING.rule("logprobs", param="logprobs", example={"logprobs": -2})
-def _logprobs(p: SamplingParams, limits: Limits) -> Fail | None:
-    v = p.logprobs
-    if v is None or (type(v) is int and v >= -1):
-        return None
-    if not is_int(v):
-        return not_a("logprobs", "an integer", v)
-    return f"logprobs must be non-negative or -1, got {v}.", v
+def _logprob_count(name: str) -> Callable[[SamplingParams, Limits], Fail | None]:
+    def check(p: SamplingParams, limits: Limits) -> Fail | None:
+        v = getattr(p, name)
+        if v is None or (type(v) is int and v >= -1):
+            return None
+        if not is_int(v):
+            return not_a(name, "an integer", v)
+        return f"{name} must be non-negative or -1, got {v}.", v
+
+    check.__name__ = name
+    return check
 
 
-@SAMPLING.rule("prompt_logprobs", param="prompt_logprobs", example={"prompt_logprobs": -2})
-def _prompt_logprobs(p: SamplingParams, limits: Limits) -> Fail | None:
-    v = p.prompt_logprobs
-    if v is None or (type(v) is int and v >= -1):
-        return None
-    if not is_int(v):
-        return not_a("prompt_logprobs", "an integer", v)
-    return f"prompt_logprobs must be non-negative or -1, got {v}.", v
+SAMPLING.rule("logprobs", param="logprobs", example={"logprobs": -2})(_logprob_count("logprobs"))
+SAMPLING.rule("prompt_logprobs", param="prompt_logprobs", example={"prompt_logprobs": -2})(
+    _logprob_count("prompt_logprobs")
+)
 
 
 @SAMPLING.rule("stop_token_ids", example={"stop_token_ids": [1, "2"]})
