@@ -4,8 +4,9 @@ subprocess with its own ``src`` first on the path).
 
 Workloads, per request:
 
-* ``raw``: ``make_request(prompt, max_tokens=16, temperature=0.7, top_p=0.9, ...)`` and
-  the raw client's check before encoding (``validate_request`` with the engine limits);
+* ``raw``: ``make_request(prompt, max_tokens=16, temperature=0.7, top_p=0.9, ...)``, the
+  raw client's checks before sending and the encoding of the ADD (its ``Wire``, with
+  the engines' limits), i.e. what ``add_request`` does before the socket;
 * ``text``: ``InputProcessor.process_inputs`` of a token prompt with ``SamplingParams``
   (the text layer's validation, frontend duties and request building; no tokenizer).
 
@@ -33,8 +34,14 @@ PROMPT = list(range(1, 65))
 
 def _workloads() -> dict[str, float]:
     from trio_vllm.client._prepare import make_request
-    from trio_vllm.protocol import SamplingParams, validate_request
+    from trio_vllm.client._wire import Wire
+    from trio_vllm.protocol import SamplingParams
     from trio_vllm.text import InputProcessor
+
+    # The raw client's own path: its Wire, with the engines' limits (as after startup).
+    wire = Wire.create(profile=None, vllm_version="0.32.0", allow_insecure_serialization=False)
+    wire.set_limits({0: {"max_model_len": 4096, "supports_lora": False}})
+    wire.vocab_size = 32000
 
     def raw() -> None:
         for _ in range(N):
@@ -42,7 +49,8 @@ def _workloads() -> dict[str, float]:
                 PROMPT, max_tokens=16, temperature=0.7, top_p=0.9, top_k=40, seed=1,
                 eos_token_id=2, request_id="r",
             )  # fmt: skip
-            validate_request(request, max_model_len=4096, vocab_size=32000, num_clients=1)
+            wire.validate_request(request)
+            wire.encode_add(request)
 
     processor = InputProcessor(None, max_model_len=4096, vocab_size=32000)
     params = SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, top_k=40, seed=1)

@@ -97,22 +97,6 @@ def _refusal(exc: BaseException) -> tuple[str, str | None]:
     return str(exc), exc.param
 
 
-def test_every_rule_has_an_example_that_breaks_it() -> None:
-    """Each rule's example breaks that very rule (the walk below relies on it), and is
-    the first rule its family finds broken."""
-    names = [rule.name for rule in ALL_RULES]
-    assert len(names) == len(set(names))
-    for rule in ALL_RULES:
-        subject = rule.family.example_subject(rule)
-        violation = rule.family.check(subject, rule.example_limits)
-        assert violation is not None, rule.name
-        assert violation.rule is rule, (rule.name, violation)
-        text = str(violation)
-        if violation.param is not None:
-            assert f"(parameter={violation.param}" in text
-        assert rule.family[rule.name.split(".", 1)[1]] is rule
-
-
 def test_issue_examples_get_vllms_messages() -> None:
     """The issue's examples, with vLLM 0.32.0's texts (as ``vllm serve`` answers them;
     tests/vllm_tier/test_error_parity.py checks against it live)."""

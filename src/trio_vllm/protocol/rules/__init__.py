@@ -56,12 +56,22 @@ and the value vLLM reports (``None`` for none), or ``(message, value, param)`` w
 vLLM names another parameter than the rule's. ``field`` (first argument) is the field
 the rule guards; ``param`` what vLLM names in its error (the HTTP 400's ``param``; leave
 it ``None`` where vLLM's error names none, which also leaves `` (parameter=...)`` off
-the text). ``engine=False`` marks a frontend-only rule. ``example`` is a bad value for
-the walk test (tests/protocol/test_rules.py): keywords for the family's subject
-(`Family.example_subject`), written against `EXAMPLE_LIMITS`; every rule has one and
-its example must break that very rule. ``http`` is the same bad value as fields of an
-OpenAI request body, for rules a server request reaches; the walk test then checks the
-server's 400 too. ``family["name"]`` finds a rule by its check's name.
+the text). A check may assume the rules before it in its family hold (``n`` is an int
+once the ``n`` rule passed). ``engine=False`` marks a frontend-only rule. ``example`` is
+a bad value for the tests (tests/protocol/test_rules.py): keywords for the family's
+subject (`Family.example_subject`), written against `EXAMPLE_LIMITS` (``limits=`` changes
+them for one rule); every rule has one and its example must break that very rule.
+``http`` is the same bad value as fields of an OpenAI request body, for rules a server
+request reaches; the walk test (tests/reliability/test_request_rules.py) then checks
+the server's 400 too. ``family["name"]`` finds a rule by its check's name.
+
+``fast`` (optional) is a Python expression over ``s`` (the subject) and ``limits`` that
+is true only when the rule holds, e.g. ``fast="type(s.top_p) is float and 0.0 < s.top_p
+<= 1.0"``: a family compiles its rules' expressions into one conjunction, so a valid
+request costs one call per family; when it fails, every rule runs in order and gives
+the verdict. tests/protocol/test_rules.py checks (Hypothesis) that an expression never
+vouches for a value its rule refuses. The names it may use are `FAST_NAMES` and the
+family's own (``Family(..., names=...)``).
 
 Adding a family
 ---------------
@@ -79,6 +89,7 @@ from typing import Any, Final
 
 from ._core import (
     EXAMPLE_LIMITS,
+    FAST_NAMES,
     MAX_LOGPROB_TOKEN_IDS,
     MAX_N_SEQUENCES,
     NO_LIMITS,
@@ -107,6 +118,7 @@ __all__ = [
     "DEFAULTED_MAX_TOKENS",
     "EXAMPLE_LIMITS",
     "FAMILIES",
+    "FAST_NAMES",
     "LORA",
     "MAX_LOGPROB_TOKEN_IDS",
     "MAX_N_SEQUENCES",

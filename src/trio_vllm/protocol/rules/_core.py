@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
@@ -12,7 +13,7 @@ from ..._exceptions import InvalidRequestError
 from ..structs import RequestOutputKind
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Mapping
+    from collections.abc import Callable, Collection, Iterator, Mapping
 
 S = TypeVar("S")
 Fail = tuple[str, object] | tuple[str, object, str]
@@ -87,7 +88,9 @@ class Rule(Generic[S]):
     ``param`` the parameter vLLM names (``None``: vLLM names none); ``engine`` whether
     a stock engine could die or wedge on a value it refuses; ``example`` a bad value
     (keywords for the family's subject) and ``http`` the same as OpenAI body fields;
-    ``example_limits`` the limits the example is written for.
+    ``example_limits`` the limits the example is written for; ``fast`` an expression
+    over ``s`` (the subject) and ``limits``, true only when the rule holds (see
+    `Family.check`).
     """
 
     name: str
@@ -99,6 +102,7 @@ class Rule(Generic[S]):
     http: Mapping[str, object] | None
     family: Family[S]
     example_limits: Limits
+    fast: str | None
 
     def __call__(self, subject: S, limits: Limits = NO_LIMITS) -> Violation | None:
         """This rule alone: its `Violation` for ``subject``, or ``None``."""
@@ -150,12 +154,22 @@ class Family(Generic[S]):
     and documentation).
     """
 
-    def __init__(self, name: str, build_example: Callable[..., S]) -> None:
+    def __init__(
+        self,
+        name: str,
+        build_example: Callable[..., S],
+        *,
+        names: Mapping[str, object] | None = None,
+    ) -> None:
         self.name = name
         self.build_example = build_example
         self.rules: tuple[Rule[S], ...] = ()
-        self._all: tuple[tuple[Rule[S], Callable[[S, Limits], Fail | None]], ...] = ()
-        self._engine: tuple[tuple[Rule[S], Callable[[S, Limits], Fail | None]], ...] = ()
+        self._names = {**FAST_NAMES, **(names or {})}
+        self._fast: Callable[[S, Limits], bool] | None = None
+        self._all: _Checks[S] = ()
+        self._engine: _Checks[S] = ()
+        self._slow: _Checks[S] = ()  # the rules without a fast expression
+        self._slow_engine: _Checks[S] = ()
 
     def __repr__(self) -> str:
         return f"<Family {self.name}: {len(self.rules)} rules>"
@@ -180,6 +194,7 @@ class Family(Generic[S]):
         example: Mapping[str, object],
         http: Mapping[str, object] | None = None,
         limits: Mapping[str, Any] | None = None,
+        fast: str | None = None,
     ) -> Callable[[Callable[[S, Limits], Fail | None]], Rule[S]]:
         """Register the decorated check as this family's next rule (see the module);
         ``limits`` changes `EXAMPLE_LIMITS` for its example."""
@@ -189,11 +204,18 @@ class Family(Generic[S]):
 
         def register(check: Callable[[S, Limits], Fail | None]) -> Rule[S]:
             name = f"{self.name}.{check.__name__.strip('_')}"
-            rule = Rule(name, field, check, param, engine, example, http, self, example_limits)
+            rule = Rule(
+                name, field, check, param, engine, example, http, self, example_limits, fast
+            )
             self.rules = (*self.rules, rule)
             self._all = (*self._all, (rule, check))
+            if fast is None:
+                self._slow = (*self._slow, (rule, check))
             if engine:
                 self._engine = (*self._engine, (rule, check))
+                if fast is None:
+                    self._slow_engine = (*self._slow_engine, (rule, check))
+            self._fast = None  # compiled again, with this rule, on the next check
             return rule
 
         return register
@@ -202,12 +224,47 @@ class Family(Generic[S]):
         self, subject: S, limits: Limits = NO_LIMITS, *, engine_only: bool = False
     ) -> Violation | None:
         """The first rule ``subject`` breaks (only those that protect the engine with
-        ``engine_only``), or ``None``."""
-        for rule, check in self._engine if engine_only else self._all:
+        ``engine_only``), or ``None``.
+
+        The common case costs one call: the rules' ``fast`` expressions, compiled into
+        one conjunction, vouch for their rules; only the rules without one run. When
+        the conjunction fails (or raises), every rule runs in order, so the verdict is
+        the same either way.
+        """
+        fast = self._fast or self._compile()
+        try:
+            sure = fast(subject, limits)
+        except Exception:  # a value the expressions did not expect: the rules decide
+            sure = False
+        if sure:
+            checks = self._slow_engine if engine_only else self._slow
+        else:
+            checks = self._engine if engine_only else self._all
+        for rule, check in checks:
             bad = check(subject, limits)
             if bad is not None:
                 return Violation(rule, *bad)
         return None
+
+    def fast_path(self, rule: Rule[S]) -> Callable[[S, Limits], bool] | None:
+        """``rule``'s ``fast`` expression alone, compiled (``None`` without one); for
+        tests that it vouches only for subjects the rule accepts."""
+        if rule.fast is None:
+            return None
+        namespace = dict(self._names)
+        source = f"def fast(s, limits):\n    return ({rule.fast})\n"
+        exec(compile(source, f"<rule {rule.name} fast path>", "exec"), namespace)
+        compiled: Callable[[S, Limits], bool] = namespace["fast"]  # type: ignore[assignment]
+        return compiled
+
+    def _compile(self) -> Callable[[S, Limits], bool]:
+        exprs = [f"({rule.fast})" for rule in self.rules if rule.fast is not None]
+        source = f"def fast(s, limits):\n    return {' and '.join(exprs) or 'True'}\n"
+        namespace = dict(self._names)
+        exec(compile(source, f"<rules {self.name} fast path>", "exec"), namespace)
+        compiled: Callable[[S, Limits], bool] = namespace["fast"]  # type: ignore[assignment]
+        self._fast = compiled
+        return compiled
 
     def raise_for(
         self, subject: S, limits: Limits = NO_LIMITS, *, engine_only: bool = False
@@ -221,6 +278,8 @@ class Family(Generic[S]):
         """The subject of ``rule``'s example."""
         return self.build_example(**rule.example)
 
+
+_Checks = tuple[tuple["Rule[S]", "Callable[[S, Limits], Fail | None]"], ...]
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -262,6 +321,17 @@ def wire_int(field: str, value: object, *, optional: bool = False) -> Fail | Non
     return None
 
 
+def ids_within(ids: Collection[Any], top: int) -> bool:
+    """Whether every id is an int in ``[0, top]``."""
+    if len(ids) <= 8:  # a loop beats three C passes on the short lists (stop ids)
+        for t in ids:  # noqa: SIM110 (a loop: no generator per call)
+            if type(t) is not int or t < 0 or t > top:
+                return False
+        return True
+    # C-speed passes on long lists (prompts); the culprit is found only on failure.
+    return set(map(type, ids)) == INT_ONLY and min(ids) >= 0 and max(ids) <= top
+
+
 def bad_token_ids(
     field: str, ids: object, bound: int | None, *, allow_empty: bool = True
 ) -> Fail | None:
@@ -270,8 +340,9 @@ def bad_token_ids(
         return not_a(field, "a list of token ids", ids)
     if not ids:
         return None if allow_empty else (f"{field} must not be empty.", None)
-    # C-speed checks first (lists can be long); find the culprits only on failure.
     top = ENGINE_MAX_TOKEN_ID if bound is None else bound
+    if ids_within(ids, top):
+        return None
     if set(map(type, ids)) != INT_ONLY:
         bad = next(t for t in ids if type(t) is not int)
         return f"{field} must contain only integers, got {bad!r}.", None
@@ -279,3 +350,16 @@ def bad_token_ids(
         invalid = [t for t in ids if t < 0 or t > top]
         return f"token_id(s) {invalid} in {field} are out of vocabulary.", invalid
     return None
+
+
+FAST_NAMES: Final[Mapping[str, object]] = {
+    "ENGINE_MAX_TOKEN_ID": ENGINE_MAX_TOKEN_ID,
+    "INT64_MIN": INT64_MIN,
+    "UINT64_MAX": UINT64_MAX,
+    "MAX_N_SEQUENCES": MAX_N_SEQUENCES,
+    "SAMPLING_EPS": SAMPLING_EPS,
+    "RequestOutputKind": RequestOutputKind,
+    "ids_within": ids_within,
+    "inf": math.inf,
+}
+"""The names a rule's ``fast`` expression may use (a family adds its own)."""

@@ -41,7 +41,13 @@ def _max_logprobs(limits: Limits) -> int | None:
     return m
 
 
-@SAMPLING_LIMITS.rule("logprobs", param="logprobs", example={"logprobs": 21}, http={"logprobs": 21})
+@SAMPLING_LIMITS.rule(
+    "logprobs",
+    param="logprobs",
+    example={"logprobs": 21},
+    http={"logprobs": 21},
+    fast="not s.logprobs",
+)
 def _logprobs_max(p: SamplingParams, limits: Limits) -> Fail | None:
     return _at_most_max_logprobs("sample", p.logprobs, limits)
 
@@ -60,7 +66,10 @@ def _at_most_max_logprobs(kind: str, n: int | None, limits: Limits) -> Fail | No
 
 
 @SAMPLING_LIMITS.rule(
-    "logprob_token_ids", param="logprob_token_ids", example={"logprob_token_ids": [1] * 129}
+    "logprob_token_ids",
+    param="logprob_token_ids",
+    example={"logprob_token_ids": [1] * 129},
+    fast="s.logprob_token_ids is None",
 )
 def _logprob_token_ids(p: SamplingParams, limits: Limits) -> Fail | None:
     ids: object = p.logprob_token_ids
@@ -95,13 +104,21 @@ def _logprob_token_ids(p: SamplingParams, limits: Limits) -> Fail | None:
     return None
 
 
-@SAMPLING_LIMITS.rule("prompt_logprobs", param="prompt_logprobs", example={"prompt_logprobs": 30})
+@SAMPLING_LIMITS.rule(
+    "prompt_logprobs",
+    param="prompt_logprobs",
+    example={"prompt_logprobs": 30},
+    fast="not s.prompt_logprobs",
+)
 def _prompt_logprobs_max(p: SamplingParams, limits: Limits) -> Fail | None:
     return _at_most_max_logprobs("prompt", p.prompt_logprobs, limits)
 
 
 @SAMPLING_LIMITS.rule(
-    "prompt_logprob_start", param="prompt_logprob_start", example={"prompt_logprob_start": 1}
+    "prompt_logprob_start",
+    param="prompt_logprob_start",
+    example={"prompt_logprob_start": 1},
+    fast="s.prompt_logprob_token_ids is None and s.prompt_logprob_start is None",
 )
 def _prompt_logprob_start(p: SamplingParams, limits: Limits) -> Fail | None:
     start = p.prompt_logprob_start
@@ -134,6 +151,7 @@ def _vocab_ids(field: str, ids: Sequence[int], vocab: int | None) -> Fail | None
     param="logit_bias",
     example={"logit_bias": {600: 1.0}},
     http={"logit_bias": {"600": 1.0}},
+    fast="not s.logit_bias",
 )
 def _logit_bias_vocab(p: SamplingParams, limits: Limits) -> Fail | None:
     bias: object = p.logit_bias
@@ -147,6 +165,7 @@ def _logit_bias_vocab(p: SamplingParams, limits: Limits) -> Fail | None:
     param="stop_token_ids",
     example={"stop_token_ids": [600]},
     http={"stop_token_ids": [600]},
+    fast="not s.stop_token_ids",
 )
 def _stop_token_ids_vocab(p: SamplingParams, limits: Limits) -> Fail | None:
     ids = p.stop_token_ids
@@ -160,6 +179,7 @@ def _stop_token_ids_vocab(p: SamplingParams, limits: Limits) -> Fail | None:
     param="allowed_token_ids",
     example={"allowed_token_ids": [600]},
     http={"allowed_token_ids": [600]},
+    fast="s.allowed_token_ids is None",
 )
 def _allowed_token_ids(p: SamplingParams, limits: Limits) -> Fail | None:
     ids: object = p.allowed_token_ids
@@ -181,6 +201,7 @@ def _allowed_token_ids(p: SamplingParams, limits: Limits) -> Fail | None:
     "structured_outputs",
     param="structured_outputs",
     example={"structured_outputs": StructuredOutputsParams(regex="a+", _backend="gbnf")},
+    fast="s.structured_outputs is None",
 )
 def _structured_outputs(p: SamplingParams, limits: Limits) -> Fail | None:
     so = p.structured_outputs

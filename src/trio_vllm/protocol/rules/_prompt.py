@@ -47,7 +47,7 @@ CONTEXT_SUFFIX: Final = " This model's maximum context length is {} tokens."
 too-long refusal names the context length (the contract servers rely on)."""
 
 
-@PROMPT.rule("prompt", example={"ids": []})
+@PROMPT.rule("prompt", example={"ids": []}, fast="s.length > 0")
 def _prompt_empty(prompt: PromptInput, limits: Limits) -> Fail | None:
     if prompt.length == 0:
         return "The decoder prompt cannot be empty", None
@@ -59,6 +59,7 @@ def _prompt_empty(prompt: PromptInput, limits: Limits) -> Fail | None:
     param="input_tokens",
     example={"ids": [5] * 300},
     http={"prompt": [5] * 300},
+    fast="limits.max_model_len is None or s.length <= limits.max_model_len",
 )
 def _prompt_too_long(prompt: PromptInput, limits: Limits) -> Fail | None:
     max_len = limits.max_model_len
@@ -76,7 +77,11 @@ def _prompt_too_long(prompt: PromptInput, limits: Limits) -> Fail | None:
     )
 
 
-@PROMPT.rule("prompt_token_ids", example={"ids": [5] * 256})
+@PROMPT.rule(
+    "prompt_token_ids",
+    example={"ids": [5] * 256},
+    fast="limits.max_model_len is None or s.length != limits.max_model_len or not s.generate",
+)
 def _prompt_no_room(prompt: PromptInput, limits: Limits) -> Fail | None:
     max_len = limits.max_model_len
     n = prompt.length

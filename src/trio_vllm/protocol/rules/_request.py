@@ -35,18 +35,33 @@ def _request_example(**fields: Any) -> EngineCoreRequest:
     return EngineCoreRequest(**fields)
 
 
-REQUEST: Final[Family[EngineCoreRequest]] = Family("request", _request_example)
+REQUEST: Final[Family[EngineCoreRequest]] = Family(
+    "request",
+    _request_example,
+    names={"SamplingParams": SamplingParams, "PoolingParams": PoolingParams},
+)
 """The ``EngineCoreRequest`` envelope a stock engine decodes (ids, kinds, indexes)."""
 
 
-@REQUEST.rule("request_id", example={"request_id": ""})
+@REQUEST.rule(
+    "request_id",
+    example={"request_id": ""},
+    fast='type(s.request_id) is str and s.request_id != ""',
+)
 def _request_id(r: EngineCoreRequest, limits: Limits) -> Fail | None:
     if nonempty_str(r.request_id):
         return None
     return f"request_id must be a non-empty str, got {r.request_id!r}.", None
 
 
-@REQUEST.rule("sampling_params", example={"sampling_params": None})
+@REQUEST.rule(
+    "sampling_params",
+    example={"sampling_params": None},
+    fast=(
+        "(s.pooling_params is None and type(s.sampling_params) is SamplingParams) "
+        "or (s.sampling_params is None and type(s.pooling_params) is PoolingParams)"
+    ),
+)
 def _kind(r: EngineCoreRequest, limits: Limits) -> Fail | None:
     sp: object = r.sampling_params
     pp: object = r.pooling_params
@@ -63,7 +78,14 @@ def _kind(r: EngineCoreRequest, limits: Limits) -> Fail | None:
     return None
 
 
-@REQUEST.rule("prompt_token_ids", example={"prompt_token_ids": None})
+@REQUEST.rule(
+    "prompt_token_ids",
+    example={"prompt_token_ids": None},
+    fast=(
+        "type(s.prompt_token_ids) is list and s.prompt_embeds is None "
+        "and s.prompt_is_token_ids is None"
+    ),
+)
 def _prompt_given(r: EngineCoreRequest, limits: Limits) -> Fail | None:
     ids: object = r.prompt_token_ids
     embeds = r.prompt_embeds
@@ -92,7 +114,11 @@ def _prompt_given(r: EngineCoreRequest, limits: Limits) -> Fail | None:
     return None
 
 
-@REQUEST.rule("arrival_time", example={"arrival_time": math.nan})
+@REQUEST.rule(
+    "arrival_time",
+    example={"arrival_time": math.nan},
+    fast="type(s.arrival_time) is float and -inf < s.arrival_time < inf",
+)
 def _arrival_time(r: EngineCoreRequest, limits: Limits) -> Fail | None:
     t = r.arrival_time
     if type(t) is float and math.isfinite(t):
@@ -102,7 +128,11 @@ def _arrival_time(r: EngineCoreRequest, limits: Limits) -> Fail | None:
     return f"arrival_time must be a finite number (time.time()), got {t!r}.", None
 
 
-@REQUEST.rule("client_index", example={"client_index": 1})
+@REQUEST.rule(
+    "client_index",
+    example={"client_index": 1},
+    fast="type(s.client_index) is int and s.client_index == 0",
+)
 def _client_index(r: EngineCoreRequest, limits: Limits) -> Fail | None:
     i = r.client_index
     if not is_int(i) or i < 0:
@@ -117,7 +147,15 @@ def _client_index(r: EngineCoreRequest, limits: Limits) -> Fail | None:
     return None
 
 
-@REQUEST.rule("priority", example={"priority": 2**64})
+@REQUEST.rule(
+    "priority",
+    example={"priority": 2**64},
+    fast=(
+        "type(s.current_wave) is int and type(s.priority) is int "
+        "and INT64_MIN <= s.current_wave <= UINT64_MAX "
+        "and INT64_MIN <= s.priority <= UINT64_MAX and s.data_parallel_rank is None"
+    ),
+)
 def _ints(r: EngineCoreRequest, limits: Limits) -> Fail | None:
     for name in ("current_wave", "priority"):
         bad = wire_int(name, getattr(r, name))
@@ -129,7 +167,16 @@ def _ints(r: EngineCoreRequest, limits: Limits) -> Fail | None:
     return None
 
 
-@REQUEST.rule("cache_salt", example={"cache_salt": 5})
+@REQUEST.rule(
+    "cache_salt",
+    example={"cache_salt": 5},
+    fast=(
+        "s.cache_salt is None and s.session_id is None and s.trace_headers is None "
+        "and s.mm_features is None and type(s.resumable) is bool "
+        "and type(s.abort_immediately) is bool and (s.external_req_id is None "
+        "or type(s.external_req_id) is str)"
+    ),
+)
 def _strings(r: EngineCoreRequest, limits: Limits) -> Fail | None:
     for name in ("cache_salt", "external_req_id", "session_id"):
         v = getattr(r, name)

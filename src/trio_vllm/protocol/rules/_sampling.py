@@ -41,23 +41,27 @@ SAMPLING: Final[Family[SamplingParams]] = Family("sampling", sampling_example)
 vLLM refuses when a ``SamplingParams`` is made, and a stock engine's decoder again."""
 
 
-@SAMPLING.rule("n", example={"n": 0}, http={"n": 0})
+@SAMPLING.rule(
+    "n", example={"n": 0}, http={"n": 0}, fast="type(s.n) is int and 1 <= s.n <= MAX_N_SEQUENCES"
+)
 def _n(p: SamplingParams, limits: Limits) -> Fail | None:
     n = p.n
-    if type(n) is int and 1 <= n <= MAX_N_SEQUENCES:
-        return None
     if not is_int(n):
         return f"n must be an int, but is of type {type(n)}", None
     if n < 1:
         return f"n must be at least 1, got {n}.", None
-    return (
-        f"n must be at most {MAX_N_SEQUENCES}, got {n}. To increase this limit, set the "
-        "VLLM_MAX_N_SEQUENCES environment variable.",
-        None,
-    )
+    if n > MAX_N_SEQUENCES:
+        return (
+            f"n must be at most {MAX_N_SEQUENCES}, got {n}. To increase this limit, set "
+            "the VLLM_MAX_N_SEQUENCES environment variable.",
+            None,
+        )
+    return None
 
 
-@SAMPLING.rule("extra_args", param="extra_args", example={"extra_args": {"k": 2**64}})
+@SAMPLING.rule(
+    "extra_args", param="extra_args", example={"extra_args": {"k": 2**64}}, fast="not s.extra_args"
+)
 def _extra_args_ints(p: SamplingParams, limits: Limits) -> Fail | None:
     if not p.extra_args:
         return None
@@ -80,8 +84,6 @@ def _extra_args_ints(p: SamplingParams, limits: Limits) -> Fail | None:
 def _penalty(name: str) -> Callable[[SamplingParams, Limits], Fail | None]:
     def check(p: SamplingParams, limits: Limits) -> Fail | None:
         v = getattr(p, name)
-        if type(v) is float and -2.0 <= v <= 2.0:
-            return None
         if not is_number(v):
             return not_a(name, "a number", v)
         if not -2.0 <= v <= 2.0:
@@ -92,21 +94,28 @@ def _penalty(name: str) -> Callable[[SamplingParams, Limits], Fail | None]:
     return check
 
 
-SAMPLING.rule("presence_penalty", example={"presence_penalty": 3.0}, http={"presence_penalty": 3})(
-    _penalty("presence_penalty")
-)
 SAMPLING.rule(
-    "frequency_penalty", example={"frequency_penalty": -2.5}, http={"frequency_penalty": -2.5}
+    "presence_penalty",
+    example={"presence_penalty": 3.0},
+    http={"presence_penalty": 3},
+    fast="type(s.presence_penalty) is float and -2.0 <= s.presence_penalty <= 2.0",
+)(_penalty("presence_penalty"))
+SAMPLING.rule(
+    "frequency_penalty",
+    example={"frequency_penalty": -2.5},
+    http={"frequency_penalty": -2.5},
+    fast="type(s.frequency_penalty) is float and -2.0 <= s.frequency_penalty <= 2.0",
 )(_penalty("frequency_penalty"))
 
 
 @SAMPLING.rule(
-    "repetition_penalty", example={"repetition_penalty": 0.0}, http={"repetition_penalty": 0}
+    "repetition_penalty",
+    example={"repetition_penalty": 0.0},
+    http={"repetition_penalty": 0},
+    fast="type(s.repetition_penalty) is float and 0.0 < s.repetition_penalty < inf",
 )
 def _repetition_penalty(p: SamplingParams, limits: Limits) -> Fail | None:
     v = p.repetition_penalty
-    if type(v) is float and 0.0 < v < math.inf:
-        return None
     if not is_number(v):
         return not_a("repetition_penalty", "a number", v)
     if not math.isfinite(v):
@@ -121,11 +130,10 @@ def _repetition_penalty(p: SamplingParams, limits: Limits) -> Fail | None:
     param="temperature",
     example={"temperature": -1.0},
     http={"temperature": -1},
+    fast="type(s.temperature) is float and 0.0 <= s.temperature <= 2.0",
 )
 def _temperature(p: SamplingParams, limits: Limits) -> Fail | None:
     t = p.temperature
-    if type(t) is float and 0.0 <= t <= 2.0:
-        return None
     if not is_number(t):
         return not_a("temperature", "a number", t)
     if not math.isfinite(t):
@@ -137,11 +145,15 @@ def _temperature(p: SamplingParams, limits: Limits) -> Fail | None:
     return None
 
 
-@SAMPLING.rule("top_p", param="top_p", example={"top_p": 2.0}, http={"top_p": 2})
+@SAMPLING.rule(
+    "top_p",
+    param="top_p",
+    example={"top_p": 2.0},
+    http={"top_p": 2},
+    fast="type(s.top_p) is float and 0.0 < s.top_p <= 1.0",
+)
 def _top_p(p: SamplingParams, limits: Limits) -> Fail | None:
     v = p.top_p
-    if type(v) is float and 0.0 < v <= 1.0:
-        return None
     if not is_number(v):
         return not_a("top_p", "a number", v)
     if not 0.0 < v <= 1.0:
@@ -149,11 +161,14 @@ def _top_p(p: SamplingParams, limits: Limits) -> Fail | None:
     return None
 
 
-@SAMPLING.rule("top_k", example={"top_k": -2}, http={"top_k": -2})
+@SAMPLING.rule(
+    "top_k",
+    example={"top_k": -2},
+    http={"top_k": -2},
+    fast="type(s.top_k) is int and -1 <= s.top_k <= UINT64_MAX",
+)
 def _top_k(p: SamplingParams, limits: Limits) -> Fail | None:
     k = p.top_k
-    if type(k) is int and -1 <= k <= UINT64_MAX:
-        return None
     if not is_int(k):
         return f"top_k must be an integer, got {type(k).__name__}", None
     if k < -1:
@@ -163,11 +178,14 @@ def _top_k(p: SamplingParams, limits: Limits) -> Fail | None:
     return wire_int("top_k", k)
 
 
-@SAMPLING.rule("min_p", example={"min_p": 1.5}, http={"min_p": 1.5})
+@SAMPLING.rule(
+    "min_p",
+    example={"min_p": 1.5},
+    http={"min_p": 1.5},
+    fast="type(s.min_p) is float and 0.0 <= s.min_p <= 1.0",
+)
 def _min_p(p: SamplingParams, limits: Limits) -> Fail | None:
     v = p.min_p
-    if type(v) is float and 0.0 <= v <= 1.0:
-        return None
     if not is_number(v):
         return not_a("min_p", "a number", v)
     if not 0.0 <= v <= 1.0:
@@ -175,10 +193,16 @@ def _min_p(p: SamplingParams, limits: Limits) -> Fail | None:
     return None
 
 
-@SAMPLING.rule("max_tokens", param="max_tokens", example={"max_tokens": 0}, http={"max_tokens": 0})
+@SAMPLING.rule(
+    "max_tokens",
+    param="max_tokens",
+    example={"max_tokens": 0},
+    http={"max_tokens": 0},
+    fast="s.max_tokens is None or (type(s.max_tokens) is int and 1 <= s.max_tokens <= UINT64_MAX)",
+)
 def _max_tokens(p: SamplingParams, limits: Limits) -> Fail | None:
     m = p.max_tokens
-    if m is None or (type(m) is int and 1 <= m <= UINT64_MAX):
+    if m is None:
         return None
     if not is_int(m):
         return not_a("max_tokens", "an integer", m)
@@ -187,20 +211,26 @@ def _max_tokens(p: SamplingParams, limits: Limits) -> Fail | None:
     return wire_int("max_tokens", m)
 
 
-@SAMPLING.rule("min_tokens", example={"min_tokens": -1}, http={"min_tokens": -1})
+@SAMPLING.rule(
+    "min_tokens",
+    example={"min_tokens": -1},
+    http={"min_tokens": -1},
+    fast="type(s.min_tokens) is int and s.min_tokens >= 0",
+)
 def _min_tokens(p: SamplingParams, limits: Limits) -> Fail | None:
     m = p.min_tokens
-    if type(m) is int and m >= 0:
-        return None
     if not is_int(m):
         return not_a("min_tokens", "an integer", m)
-    return f"min_tokens must be greater than or equal to 0, got {m}.", None
+    if m < 0:
+        return f"min_tokens must be greater than or equal to 0, got {m}.", None
+    return None
 
 
 @SAMPLING.rule(
     "min_tokens",
     example={"min_tokens": 9, "max_tokens": 4},
     http={"min_tokens": 9, "max_tokens": 4},
+    fast="s.max_tokens is None or s.min_tokens <= s.max_tokens",
 )
 def _min_tokens_at_most_max(p: SamplingParams, limits: Limits) -> Fail | None:
     if p.max_tokens is not None and p.min_tokens > p.max_tokens:
@@ -212,36 +242,62 @@ def _min_tokens_at_most_max(p: SamplingParams, limits: Limits) -> Fail | None:
     return None
 
 
-@SAMPLING.rule("stream_interval", param="stream_interval", example={"stream_interval": 0})
+@SAMPLING.rule(
+    "stream_interval",
+    param="stream_interval",
+    example={"stream_interval": 0},
+    fast="s.stream_interval is None or (type(s.stream_interval) is int and s.stream_interval >= 1)",
+)
 def _stream_interval(p: SamplingParams, limits: Limits) -> Fail | None:
     v = p.stream_interval
-    if v is None or (type(v) is int and v >= 1):
+    if v is None:
         return None
     if not is_int(v):
         return not_a("stream_interval", "an integer", v)
-    return f"stream_interval must be at least 1, got {v}.", v
+    if v < 1:
+        return f"stream_interval must be at least 1, got {v}.", v
+    return None
 
 
 def _logprob_count(name: str) -> Callable[[SamplingParams, Limits], Fail | None]:
     def check(p: SamplingParams, limits: Limits) -> Fail | None:
         v = getattr(p, name)
-        if v is None or (type(v) is int and v >= -1):
+        if v is None:
             return None
         if not is_int(v):
             return not_a(name, "an integer", v)
-        return f"{name} must be non-negative or -1, got {v}.", v
+        if v < -1:
+            return f"{name} must be non-negative or -1, got {v}.", v
+        return None
 
     check.__name__ = name
     return check
 
 
-SAMPLING.rule("logprobs", param="logprobs", example={"logprobs": -2})(_logprob_count("logprobs"))
-SAMPLING.rule("prompt_logprobs", param="prompt_logprobs", example={"prompt_logprobs": -2})(
-    _logprob_count("prompt_logprobs")
+SAMPLING.rule(
+    "logprobs",
+    param="logprobs",
+    example={"logprobs": -2},
+    fast="s.logprobs is None or (type(s.logprobs) is int and s.logprobs >= -1)",
+)(_logprob_count("logprobs"))
+SAMPLING.rule(
+    "prompt_logprobs",
+    param="prompt_logprobs",
+    example={"prompt_logprobs": -2},
+    fast=(
+        "s.prompt_logprobs is None or (type(s.prompt_logprobs) is int and s.prompt_logprobs >= -1)"
+    ),
+)(_logprob_count("prompt_logprobs"))
+
+
+@SAMPLING.rule(
+    "stop_token_ids",
+    example={"stop_token_ids": [1, "2"]},
+    fast=(
+        "not s.stop_token_ids or (type(s.stop_token_ids) is list "
+        "and ids_within(s.stop_token_ids, UINT64_MAX))"
+    ),
 )
-
-
-@SAMPLING.rule("stop_token_ids", example={"stop_token_ids": [1, "2"]})
 def _stop_token_ids_ints(p: SamplingParams, limits: Limits) -> Fail | None:
     ids: object = p.stop_token_ids
     if not ids:
@@ -251,7 +307,7 @@ def _stop_token_ids_ints(p: SamplingParams, limits: Limits) -> Fail | None:
     return None
 
 
-@SAMPLING.rule("stop", example={"stop": ["a", ""]}, http={"stop": [""]})
+@SAMPLING.rule("stop", example={"stop": ["a", ""]}, http={"stop": [""]}, fast="not s.stop")
 def _stop(p: SamplingParams, limits: Limits) -> Fail | None:
     stop = p.stop
     if not stop:
@@ -269,7 +325,9 @@ def _stop(p: SamplingParams, limits: Limits) -> Fail | None:
     return None
 
 
-@SAMPLING.rule("bad_words", example={"bad_words": [""]}, http={"bad_words": [""]})
+@SAMPLING.rule(
+    "bad_words", example={"bad_words": [""]}, http={"bad_words": [""]}, fast="not s.bad_words"
+)
 def _bad_words(p: SamplingParams, limits: Limits) -> Fail | None:
     words = p.bad_words
     if not words:
@@ -281,7 +339,12 @@ def _bad_words(p: SamplingParams, limits: Limits) -> Fail | None:
     return None
 
 
-@SAMPLING.rule("n", example={"n": 2, "temperature": 0.0}, http={"n": 2, "temperature": 0})
+@SAMPLING.rule(
+    "n",
+    example={"n": 2, "temperature": 0.0},
+    http={"n": 2, "temperature": 0},
+    fast="s.n == 1 or s.temperature >= SAMPLING_EPS",
+)
 def _greedy_n(p: SamplingParams, limits: Limits) -> Fail | None:
     if p.n > 1 and p.temperature < SAMPLING_EPS:
         return f"n must be 1 when using greedy sampling, got {p.n}.", None
@@ -291,6 +354,7 @@ def _greedy_n(p: SamplingParams, limits: Limits) -> Fail | None:
 @SAMPLING.rule(
     "repetition_detection",
     example={"repetition_detection": RepetitionDetectionParams(2, 3, 2)},
+    fast="s.repetition_detection is None",
 )
 def _repetition_detection(p: SamplingParams, limits: Limits) -> Fail | None:
     rd = p.repetition_detection
