@@ -1,5 +1,7 @@
 """The shape of ``src/trio_vllm``: no import cycle between its modules, no class over
-600 lines (issue 11). Static: the sources are parsed with `ast`, nothing is imported.
+600 lines (issue 11), no object reading another's private attributes (issue 24).
+Static: the sources are parsed with `ast`; only the protocol structs are imported (their
+field names are vLLM's wire names).
 
 An import counts when it runs at module level, or sits under ``if TYPE_CHECKING:``
 (a type-level cycle is a cycle of the design all the same: the reference engine's
@@ -11,18 +13,39 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.util
 from pathlib import Path
 from typing import Final
 
+import msgspec
 import pytest
 
 import trio_vllm
+import trio_vllm.protocol.structs
 
 SRC: Final = Path(trio_vllm.__file__).parent
 MAX_CLASS_LINES: Final = 600
 # Classes over the limit today, each with the size it may not exceed: the entry goes
 # when its owner cuts the class below the limit (the test then says so).
 OVERSIZE: Final[dict[str, int]] = {}
+
+# Private attributes of *other* libraries' objects that src reads on purpose, each with
+# its reason: (module, attribute) -> why. Our own objects never need an entry: a class
+# whose state another object needs offers a method or property for it.
+FOREIGN_PRIVATE_READS: Final[dict[tuple[str, str], str]] = {
+    **{
+        ("trio_vllm.client._cancel", name): "anyio's asyncio cancel-scope state, read to "
+        "skip its dispatch on every buffered receive (version-guarded; module docs)"
+        for name in ("_cancel_called", "_shield", "_parent_scope")
+    },
+    ("trio_vllm.client._engines", "_actions"): "argparse lists no parser's actions publicly",
+    ("trio_vllm.cli._main", "_actions"): "argparse lists no parser's actions publicly",
+    ("trio_vllm.cli._main", "_SubParsersAction"): "argparse's sub-command action class",
+    ("trio_vllm.cli._generate", "_parser_class"): "argparse's sub-parser class, to build "
+    "the same kind of parser",
+    ("trio_vllm.inproc", "_convert_msgspec_args"): "vLLM's own argument conversion of "
+    "EngineCoreProc, which the in-process adapter must match",
+}
 
 
 def _modules(src: Path) -> dict[str, tuple[Path, bool]]:
@@ -179,3 +202,103 @@ def test_the_checks_see_what_they_look_for(tmp_path: Path) -> None:
     assert cycles(import_graph(pkg, type_checking=False)) == []
     assert cycles(import_graph(pkg, type_checking=True)) == [["pkg.a", "pkg.b"]]
     assert class_sizes(pkg) == {"pkg.e.Big": 601}
+
+
+def _wire_field_names() -> frozenset[str]:
+    """Underscored field names of the protocol structs: vLLM's own wire names (e.g.
+    ``SamplingParams._all_stop_token_ids``), public data of those structs."""
+    names: set[str] = set()
+    for obj in vars(trio_vllm.protocol.structs).values():
+        if isinstance(obj, type) and issubclass(obj, msgspec.Struct):
+            names.update(n for n in obj.__struct_fields__ if n.startswith("_"))
+    return frozenset(names)
+
+
+def _module_names(tree: ast.Module, package: str, modules: set[str]) -> set[str]:
+    """The names a module binds to modules (``import x``, ``from pkg import module``)."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.add(alias.asname or alias.name.partition(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                parent = ".".join([*base, node.module] if node.module else base)
+            else:
+                parent = node.module or ""
+            for alias in node.names:
+                full = f"{parent}.{alias.name}"
+                if full in modules or (not full.startswith(f"{SRC.name}.") and _is_module(full)):
+                    found.add(alias.asname or alias.name)
+    return found
+
+
+@functools.cache
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def private_reads(src: Path, allowed: frozenset[str] = frozenset()) -> list[str]:
+    """Every ``x._name`` in ``src`` (``_name`` not a dunder) where ``x`` is not
+    ``self``, ``cls``, ``super()`` or a module, as ``module:line: x._name``; attribute
+    names in ``allowed`` are not reported."""
+    modules = _modules(src)
+    found = []
+    for name, (path, is_package) in modules.items():
+        tree = _parse(path)
+        package = name if is_package else name.rpartition(".")[0]
+        module_names = _module_names(tree, package, set(modules))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            attr = node.attr
+            if not attr.startswith("_") or (attr.startswith("__") and attr.endswith("__")):
+                continue
+            if attr in allowed or (name, attr) in FOREIGN_PRIVATE_READS:
+                continue
+            value = node.value
+            if isinstance(value, ast.Name) and (
+                value.id in ("self", "cls") or value.id in module_names
+            ):
+                continue
+            if (
+                isinstance(value, ast.Call)
+                and isinstance(value.func, ast.Name)
+                and value.func.id == "super"
+            ):
+                continue
+            found.append(f"{name}:{node.lineno}: {ast.unparse(value)}.{attr}")
+    return sorted(found)
+
+
+def test_no_object_reads_another_objects_private_attributes() -> None:
+    """A fast path or a friend's shortcut belongs to the class whose state it touches
+    (issue 24): ``Mailbox.put_nowait``, not the client writing ``mailbox._pending``."""
+    assert private_reads(SRC, _wire_field_names()) == []
+
+
+def test_the_private_read_check_sees_what_it_looks_for(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text(
+        "import os\n"
+        "from . import b\n"
+        "class A:\n"
+        "    def f(self, other):\n"
+        "        self._x = other._y\n"  # reported: other._y
+        "        super()._z()\n"
+        "        os._exit(0)\n"
+        "        b._helper()\n"  # a module's private name: not an object's
+        "        return other.__class__, other._wire\n"
+    )
+    (pkg / "b.py").write_text("def _helper():\n    return make()._state\n")
+    assert private_reads(pkg, frozenset({"_wire"})) == [
+        "pkg.a:5: other._y",
+        "pkg.b:2: make()._state",
+    ]
+    assert "pkg.a:9: other._wire" in private_reads(pkg)

@@ -23,12 +23,13 @@ from ._version import __version__ as __version__
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     # Loaded on first use (__getattr__ below). The protocol layer pulls in msgspec and
-    # numpy (~100 ms), the client anyio (and trio): ``import trio_vllm`` itself stays
-    # a few pure-Python modules, so the ``trio-vllm`` command is inside its Ctrl-C
-    # handler before anything heavy is imported, and engine processes
-    # (python -m trio_vllm.reference_engine) never load the client.
+    # numpy (the slow part of the import), the client anyio (and trio): ``import
+    # trio_vllm`` itself stays a few pure-Python modules, so the ``trio-vllm`` command
+    # is inside its Ctrl-C handler before anything heavy is imported, and engine
+    # processes (python -m trio_vllm.reference_engine) never load the client.
     from typing import Any
 
+    from .client import ClientOptions as ClientOptions
     from .client import EngineCoreClient as EngineCoreClient
     from .client import EngineEvent as EngineEvent
     from .client import EngineEvents as EngineEvents
@@ -45,8 +46,6 @@ if TYPE_CHECKING:
     from .inproc import InprocEngine as InprocEngine
     from .llm import LLM as LLM
     from .llm import RequestOutputStream as RequestOutputStream
-    from .llm import SyncLLM as SyncLLM
-    from .llm import SyncRequestOutputStream as SyncRequestOutputStream
     from .llm import open_llm as open_llm
     from .protocol import ENGINE_CORE_DEAD as ENGINE_CORE_DEAD
     from .protocol import PROFILES as PROFILES
@@ -76,6 +75,8 @@ if TYPE_CHECKING:
     from .protocol import validate_request as validate_request
     from .sync import SyncClient as SyncClient
     from .sync import SyncEngineEvents as SyncEngineEvents
+    from .sync import SyncLLM as SyncLLM
+    from .sync import SyncRequestOutputStream as SyncRequestOutputStream
     from .sync import SyncRequestStream as SyncRequestStream
     from .text import CompletionOutput as CompletionOutput
     from .text import Logprob as Logprob
@@ -117,6 +118,7 @@ _LAZY: dict[str, str] = {
     "EngineEvent": ".client",
     "EngineEvents": ".client",
     "EngineSource": ".client",
+    "ClientOptions": ".client",
     "ExternalEngines": ".client",
     "ReferenceEngines": ".client",
     "RequestStream": ".client",
@@ -130,10 +132,10 @@ _LAZY: dict[str, str] = {
     "SyncClient": ".sync",
     "SyncEngineEvents": ".sync",
     "SyncRequestStream": ".sync",
+    "SyncLLM": ".sync",
+    "SyncRequestOutputStream": ".sync",
     "LLM": ".llm",
     "RequestOutputStream": ".llm",
-    "SyncLLM": ".llm",
-    "SyncRequestOutputStream": ".llm",
     "open_llm": ".llm",
     "CompletionOutput": ".text",
     "Logprob": ".text",

@@ -53,9 +53,10 @@ class _Forwarder:
     """The queue and the thread that hands engine lines to their loggers."""
 
     def __init__(self) -> None:
-        self._reset()
+        self.reset()
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
+        """Start empty, with no thread."""
         # Also in a forked child: the thread is not there, and the locks may have been
         # held by it at the fork.
         self._queue: queue.Queue[tuple[logging.Logger, int, str, int]] = queue.Queue(_QUEUE_LINES)
@@ -125,7 +126,7 @@ class _Forwarder:
 
 _forwarder = _Forwarder()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forwarder._reset)
+    os.register_at_fork(after_in_child=_forwarder.reset)
 
 
 def forward_engine_line(log: logging.Logger, line: str, pid: int) -> None:

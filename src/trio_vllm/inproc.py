@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, final
 
 from .protocol.codec import ClientCodec
 from .protocol.profiles import profile_for_version
-from .protocol.structs import EngineCoreOutputs, EngineCoreRequest
+from .protocol.structs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator, Mapping
@@ -66,7 +66,7 @@ class InprocEngine:
         self,
         model: str,
         *,
-        engine_args: Mapping[str, Any] | None = None,
+        engine_args: Mapping[str, object] | None = None,
         log_stats: bool = False,
     ) -> None:
         self.model = model
@@ -206,7 +206,7 @@ class InprocEngine:
         """Whether the engine's scheduler has work (running or waiting requests)."""
         return bool(self._started().scheduler.has_requests())
 
-    def generate(self, request: EngineCoreRequest) -> Iterator[Any]:
+    def generate(self, request: EngineCoreRequest) -> Iterator[EngineCoreOutput]:
         """Add ``request`` and step the engine, yielding its outputs until the final one.
 
         Outputs of other live requests produced by the same steps are dropped: use
@@ -226,7 +226,7 @@ class InprocEngine:
 
     # ------------------------------------------------------------------ utilities
 
-    def call_utility(self, method: str, *args: Any) -> Any:
+    def call_utility(self, method: str, *args: object) -> object:
         """Call the engine core's ``method(*args)`` directly; returns vLLM's value.
 
         Arguments cross the wire encoding first (so trio-vllm structs such as
@@ -253,7 +253,9 @@ class InprocEngine:
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         """Tasks the model supports."""
-        return tuple(self.call_utility("get_supported_tasks"))
+        tasks = self.call_utility("get_supported_tasks")
+        assert isinstance(tasks, (list, tuple))
+        return tuple(str(task) for task in tasks)
 
     def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False

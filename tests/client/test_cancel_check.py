@@ -88,8 +88,8 @@ async def test_other_task_with_the_same_check() -> None:
 
 async def test_buffered_mailbox_call_cancelled_consumes_nothing() -> None:
     box: Mailbox[int] = Mailbox()
-    box._put(1)
-    box._put(2)
+    box.put_nowait(1)
+    box.put_nowait(2)
     assert await box.receive() == 1  # starts the interval: the next call only checks
     with anyio.CancelScope() as scope:
         scope.cancel()

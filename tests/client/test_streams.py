@@ -56,8 +56,8 @@ def test_coalesce_keeps_newest_ndarray_fields() -> None:
     assert merged.routed_experts is experts
     assert merged.new_token_ids == [1, 2]
     stream = RequestStream("r", 0, max_pending=1)
-    stream._deliver(_out([1]))
-    stream._deliver(_out([2], routed_experts=experts))  # merged in the receive task
+    stream.deliver(_out([1]))
+    stream.deliver(_out([2], routed_experts=experts))  # merged in the receive task
     assert stream.coalesced == 1
     assert stream._pending[-1].routed_experts is experts
 
@@ -65,20 +65,20 @@ def test_coalesce_keeps_newest_ndarray_fields() -> None:
 async def test_stream_bounded_and_lossless() -> None:
     stream = RequestStream("r", 0, max_pending=3)
     for i in range(100):
-        stream._deliver(_out([i], 1 if i == 99 else None))
+        stream.deliver(_out([i], 1 if i == 99 else None))
     assert len(stream._pending) == 3
     assert stream.coalesced == 97
     assert stream.finished
     assert await stream.collect() == list(range(100))
     assert stream.finish_reason == 1
-    stream._deliver(_out([1000]))  # late output after finish: ignored
+    stream.deliver(_out([1000]))  # late output after finish: ignored
     with pytest.raises(anyio.EndOfStream):
         await stream.receive()
 
 
 async def test_cancelled_receive_consumes_nothing() -> None:
     stream = RequestStream("r", 0)
-    stream._deliver(_out([7]))
+    stream.deliver(_out([7]))
     with anyio.CancelScope() as scope:
         scope.cancel()
         await stream.receive()
@@ -90,8 +90,8 @@ async def test_cancelled_receive_consumes_nothing_between_yields() -> None:
     """Between its scheduler passes (at most one per YIELD_INTERVAL while outputs are
     buffered) a receive still checks for cancellation, and consumes nothing then."""
     stream = RequestStream("r", 0)
-    stream._deliver(_out([7]))
-    stream._deliver(_out([8]))
+    stream.deliver(_out([7]))
+    stream.deliver(_out([8]))
     assert (await stream.receive()).new_token_ids == [7]
     stream._yield_due = time.monotonic() + 60  # inside the no-yield window, for sure
     with anyio.CancelScope() as scope:
@@ -107,7 +107,7 @@ async def test_draining_a_backlog_yields_to_other_tasks() -> None:
     n = 200_000
     stream = RequestStream("r", 0, max_pending=n)
     for i in range(n):
-        stream._deliver(_out([i], 1 if i == n - 1 else None))
+        stream.deliver(_out([i], 1 if i == n - 1 else None))
     ticks = 0
     ticks_during: list[int] = []
 
@@ -134,8 +134,8 @@ async def test_draining_a_backlog_yields_to_other_tasks() -> None:
 
 async def test_error_after_buffered_outputs() -> None:
     stream = RequestStream("r", 0)
-    stream._deliver(_out([1]))
-    stream._fail(lambda: EngineDeadError("gone"))
+    stream.deliver(_out([1]))
+    stream.fail(lambda: EngineDeadError("gone"))
     assert (await stream.receive()).new_token_ids == [1]
     with pytest.raises(EngineDeadError, match="gone"):
         await stream.receive()
@@ -149,14 +149,14 @@ def test_receive_nowait() -> None:
     with pytest.raises(anyio.WouldBlock):
         stream.receive_nowait()
     for i in range(5):  # 0, 1 buffered; 2-4 merged into 1 with their logprob rows
-        stream._deliver(_out([i], new_logprobs=_lp([i])))
+        stream.deliver(_out([i], new_logprobs=_lp([i])))
     assert stream.receive_nowait().new_token_ids == [0]
     merged = stream.receive_nowait()
     assert merged.new_token_ids == [1, 2, 3, 4]
     assert merged.new_logprobs.logprob_token_ids[:, 0].tolist() == [1, 2, 3, 4]
     with pytest.raises(anyio.WouldBlock):
         stream.receive_nowait()
-    stream._deliver(_out([5], 1))
+    stream.deliver(_out([5], 1))
     assert stream.finish_reason is None
     assert stream.receive_nowait().new_token_ids == [5]
     assert stream.finish_reason == 1
@@ -164,16 +164,16 @@ def test_receive_nowait() -> None:
         stream.receive_nowait()
 
     dying = RequestStream("d", 0)
-    dying._deliver(_out([1]))
-    dying._fail(lambda: EngineDeadError("gone"))
+    dying.deliver(_out([1]))
+    dying.fail(lambda: EngineDeadError("gone"))
     assert dying.receive_nowait().new_token_ids == [1]
     for _ in range(2):  # raised again on every call
         with pytest.raises(EngineDeadError, match="gone"):
             dying.receive_nowait()
 
     aborted = RequestStream("a", 0)
-    aborted._deliver(_out([1]))
-    aborted._abort_locally()
+    aborted.deliver(_out([1]))
+    aborted.abort_locally()
     with pytest.raises(anyio.EndOfStream):
         aborted.receive_nowait()
 
@@ -183,7 +183,7 @@ async def test_waiting_consumer_is_woken_by_failure() -> None:
 
     async def fail_later() -> None:
         await anyio.sleep(0.05)
-        stream._fail(lambda: EngineDeadError("x"))
+        stream.fail(lambda: EngineDeadError("x"))
 
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
@@ -194,8 +194,8 @@ async def test_waiting_consumer_is_woken_by_failure() -> None:
 
 async def test_local_abort_ends_iteration() -> None:
     stream = RequestStream("r", 0)
-    stream._deliver(_out([1]))
-    stream._abort_locally()
+    stream.deliver(_out([1]))
+    stream.abort_locally()
     assert [o async for o in stream] == []
     assert stream.aborted
 
@@ -250,9 +250,7 @@ def test_request_ids_are_unique() -> None:
 async def test_lagging_stream_coalesces_logprobs_rows_in_order() -> None:
     stream = RequestStream("r", 0, max_pending=2)
     for i in range(50):
-        stream._deliver(
-            _out([i, i + 1000], 1 if i == 49 else None, new_logprobs=_lp([i, i + 1000]))
-        )
+        stream.deliver(_out([i, i + 1000], 1 if i == 49 else None, new_logprobs=_lp([i, i + 1000])))
     outputs = [out async for out in stream]
     assert len(outputs) == 2
     tokens = [t for out in outputs for t in out.new_token_ids]
@@ -265,7 +263,7 @@ async def test_interleaved_consumption_with_coalescing() -> None:
     stream = RequestStream("r", 0, max_pending=2)
     seen: list[int] = []
     for i in range(30):
-        stream._deliver(_out([i], 1 if i == 29 else None, new_logprobs=_lp([i])))
+        stream.deliver(_out([i], 1 if i == 29 else None, new_logprobs=_lp([i])))
         if i % 7 == 0:
             out = await stream.receive()
             seen.extend(out.new_token_ids)
@@ -291,8 +289,8 @@ async def test_parked_consumers_each_get_an_item() -> None:
             tg.start_soon(consume)
             await anyio.wait_all_tasks_blocked()
             assert box._waiting
-            box._put(1)
-            box._put(2)
+            box.put_nowait(1)
+            box.put_nowait(2)
     assert sorted(got) == [1, 2]
 
 
@@ -306,12 +304,12 @@ async def test_cancelled_parked_consumer_leaves_the_item_for_the_next() -> None:
             await anyio.wait_all_tasks_blocked()
             tg.cancel_scope.cancel()
         assert not stream._waiting
-        stream._deliver(_out([5]))
+        stream.deliver(_out([5]))
         assert (await stream.receive()).new_token_ids == [5]
 
         async def deliver_when_parked() -> None:
             await anyio.wait_all_tasks_blocked()
-            stream._deliver(_out([6]))
+            stream.deliver(_out([6]))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(deliver_when_parked)
@@ -336,15 +334,15 @@ async def test_cancelled_parked_consumer_does_not_strand_the_others() -> None:
                 doomed.start_soon(box.receive)
                 await anyio.wait_all_tasks_blocked()
                 doomed.cancel_scope.cancel()
-            box._put(1)
-            box._put(2)
+            box.put_nowait(1)
+            box.put_nowait(2)
     assert sorted(got) == [1, 2]
 
 
 async def test_receive_batch_takes_every_buffered_output_in_order() -> None:
     stream = RequestStream("r", 0, max_pending=4)
     for i in range(10):  # 4 buffered, the last holding 7 merged outputs
-        stream._deliver(_out([i], 1 if i == 9 else None, new_logprobs=_lp([i])))
+        stream.deliver(_out([i], 1 if i == 9 else None, new_logprobs=_lp([i])))
     batch = await stream.receive_batch()
     assert [out.new_token_ids for out in batch] == [[0], [1], [2], list(range(3, 10))]
     assert batch[-1].new_logprobs.logprob_token_ids[:, 0].tolist() == list(range(3, 10))
@@ -360,7 +358,7 @@ async def test_receive_batch_mixed_with_iteration_loses_nothing() -> None:
     stream = RequestStream("r", 0, max_pending=3)
     seen: list[int] = []
     for i in range(40):
-        stream._deliver(_out([i], 1 if i == 39 else None, new_logprobs=_lp([i])))
+        stream.deliver(_out([i], 1 if i == 39 else None, new_logprobs=_lp([i])))
         if i % 5 == 0:
             for out in await stream.receive_batch():
                 assert out.new_logprobs.logprob_token_ids[:, 0].tolist() == out.new_token_ids
@@ -386,8 +384,8 @@ async def test_receive_batch_waits_for_the_first_output() -> None:
             tg.start_soon(consume)
             await anyio.wait_all_tasks_blocked()
             assert stream._waiting
-            stream._deliver(_out([1]))
-            stream._deliver(_out([2]))
+            stream.deliver(_out([1]))
+            stream.deliver(_out([2]))
     assert got == [[1], [2]]
 
 
@@ -399,8 +397,8 @@ async def test_cancelled_receive_batch_consumes_nothing() -> None:
             await anyio.wait_all_tasks_blocked()
             tg.cancel_scope.cancel()
     assert not stream._waiting
-    stream._deliver(_out([7]))
-    stream._deliver(_out([8], 1))
+    stream.deliver(_out([7]))
+    stream.deliver(_out([8], 1))
     with anyio.CancelScope() as scope:  # cancelled with outputs buffered
         scope.cancel()
         await stream.receive_batch()
@@ -410,9 +408,9 @@ async def test_cancelled_receive_batch_consumes_nothing() -> None:
 
 async def test_receive_batch_raises_the_error_after_buffered_outputs() -> None:
     stream = RequestStream("r", 0)
-    stream._deliver(_out([1]))
-    stream._deliver(_out([2]))
-    stream._fail(lambda: EngineDeadError("gone"))
+    stream.deliver(_out([1]))
+    stream.deliver(_out([2]))
+    stream.fail(lambda: EngineDeadError("gone"))
     assert [out.new_token_ids for out in await stream.receive_batch()] == [[1], [2]]
     with pytest.raises(EngineDeadError):
         await stream.receive_batch()
@@ -421,8 +419,8 @@ async def test_receive_batch_raises_the_error_after_buffered_outputs() -> None:
 async def test_mailbox_receive_batch_and_end() -> None:
     box: Mailbox[int] = Mailbox()
     for i in range(3):
-        box._put(i)
-    box._close()
+        box.put_nowait(i)
+    box.end()
     assert await box.receive_batch() == [0, 1, 2]
     with pytest.raises(anyio.EndOfStream):
         await box.receive_batch()
@@ -449,12 +447,12 @@ async def test_cancel_racing_the_wake_up_loses_nothing(batch: bool, deliver_firs
             await anyio.wait_all_tasks_blocked()
             assert stream._waiting == 1
             if deliver_first:
-                stream._deliver(_out([1]))
+                stream.deliver(_out([1]))
                 tg.cancel_scope.cancel()
             else:
                 tg.cancel_scope.cancel()
-                stream._deliver(_out([1]))
-            stream._deliver(_out([2], 1))
+                stream.deliver(_out([1]))
+            stream.deliver(_out([2], 1))
         assert stream._waiting == 0
         async for out in stream:
             got.extend(out.new_token_ids)
@@ -480,9 +478,9 @@ async def test_receive_batch_parked_when_the_engine_dies() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(consume)
             await anyio.wait_all_tasks_blocked()
-            stream._deliver(_out([1]))
-            stream._deliver(_out([2]))
-            stream._fail(lambda: EngineDeadError("gone"))
+            stream.deliver(_out([1]))
+            stream.deliver(_out([2]))
+            stream.fail(lambda: EngineDeadError("gone"))
         assert got == [[1, 2]]
         assert len(errors) == 1
         assert not stream._waiting
@@ -499,14 +497,14 @@ async def test_receive_batch_parked_when_the_engine_dies() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(consume_empty)
             await anyio.wait_all_tasks_blocked()
-            empty._fail(lambda: EngineDeadError("gone"))  # woken by the error alone
+            empty.fail(lambda: EngineDeadError("gone"))  # woken by the error alone
         assert len(errors) == 1
         assert not empty._waiting
 
         final = RequestStream("r", 0)
-        final._deliver(_out([3]))
-        final._deliver(_out([4], 1))
-        final._fail(lambda: EngineDeadError("gone"))
+        final.deliver(_out([3]))
+        final.deliver(_out([4], 1))
+        final.fail(lambda: EngineDeadError("gone"))
         assert [out.new_token_ids for out in await final.receive_batch()] == [[3], [4]]
         with pytest.raises(anyio.EndOfStream):
             await final.receive_batch()

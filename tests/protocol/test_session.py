@@ -105,14 +105,15 @@ def test_late_outputs_after_an_abort_are_dropped() -> None:
     stream = object()
     started(session, "s", stream, rank=1)
     started(session, "r", rank=1)
-    by_rank, handles, _ = session.abort(["s", "r", "unknown"])
+    aborted = session.abort(["s", "r", "unknown"])
+    by_rank, handles = aborted.by_rank, aborted.streams
     assert by_rank == {1: ["s", "r", "unknown"], 0: ["unknown"]}
     assert handles == [stream]
     assert session.in_flight(1) == 0
     assert session.receive(batch(1, out("s", 1), out("r", 2, final=True))) == []
     assert session.live_requests == ["s"]  # the stream until its block is left
     # A second abort of the now-finished ids goes to every live rank (idempotent).
-    assert session.abort(["r"])[0] == {0: ["r"], 1: ["r"]}
+    assert session.abort(["r"]).by_rank == {0: ["r"], 1: ["r"]}
 
 
 def test_abort_refuses_a_bad_rank_before_forgetting_anything() -> None:
@@ -451,7 +452,8 @@ def test_abort_of_a_retiring_ranks_last_request_drains_it() -> None:
     stream = object()
     started(session, "a", stream, rank=1)
     assert session.begin_retire(1) == ["a"]
-    by_rank, handles, actions = session.abort(["a"])
+    aborted = session.abort(["a"])
+    by_rank, handles, actions = aborted.by_rank, aborted.streams, aborted.actions
     assert by_rank == {1: ["a"]}
     assert handles == [stream]
     assert kinds(actions) == ["RankDrained"]

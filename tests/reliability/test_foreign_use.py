@@ -79,7 +79,10 @@ CALLS: dict[str, Callable[[EngineCoreClient], Awaitable[Any]]] = {
     "get_weight_version": lambda c: c.get_weight_version(),
     "set_weight_version": lambda c: c.set_weight_version("v2"),
     "compute_weight_checksums": lambda c: c.compute_weight_checksums(),
+    # The named utilities' common path; its refusal names the utility it runs.
+    "run_named_utility": lambda c: c.run_named_utility(EngineCoreClient.get_supported_tasks, []),
 }
+REFUSED_AS = {"run_named_utility": "get_supported_tasks"}
 # Plain reads, safe from anywhere (the sync facade reads dead_error() from its callers'
 # threads): they send nothing and wait for nothing.
 NOT_CHECKED = {"dead_error"}
@@ -110,7 +113,7 @@ async def _check_refused(
     error: BaseException | None, name: str, client: EngineCoreClient, peer: Any
 ) -> None:
     assert isinstance(error, RuntimeError), f"{name}: {error!r}"
-    assert f"EngineCoreClient.{name}()" in str(error)
+    assert f"EngineCoreClient.{REFUSED_AS.get(name, name)}()" in str(error)
     # Nothing was sent: the owner's sentinel is the only message the engine got.
     with anyio.fail_after(30):
         assert await client.call_utility("echo", "sentinel") == ["sentinel"]

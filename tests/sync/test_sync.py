@@ -260,14 +260,14 @@ def test_buffered_outputs_come_in_batches(backend: str) -> None:
         stream = client.generate(make_request([1, 5, 7], max_tokens=n))
         _wait_until_finished(client, stream)
         calls = 0
-        real_call = client._call
+        real_call = client._loop.call
 
         def counting_call(*args: Any, **kwargs: Any) -> Any:
             nonlocal calls
             calls += 1
             return real_call(*args, **kwargs)
 
-        client._call = counting_call  # type: ignore[method-assign]
+        client._loop.call = counting_call  # type: ignore[method-assign]
         outputs = []
         for output in stream:
             outputs.append(output)

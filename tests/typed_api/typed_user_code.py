@@ -49,3 +49,20 @@ def blocking() -> None:
         assert_type(client.get_output(timeout=1.0), tv.EngineCoreOutputs)
         assert_type(client.engine_events.receive(timeout=1.0), tv.EngineEvent)
         assert_type(client.retire_rank(0), None)
+
+
+async def options() -> None:
+    # One ClientOptions for every entry point: mypy checks each keyword's name and type
+    # (the ignores below are errors of their own, unused-ignore, if mypy stops seeing them).
+    engines = tv.ReferenceEngines(model="echo")
+    async with tv.open_client(engines, stream_buffer=8, on_engine_death="continue"):
+        pass
+    async with tv.open_client(engines, stream_bufer=8):  # type: ignore[call-arg]
+        pass
+    async with tv.open_llm(engines, shutdown_grace="5"):  # type: ignore[arg-type]
+        pass
+    with tv.SyncLLM(engines, on_engine_death="maybe"):  # type: ignore[arg-type]
+        pass
+    settings: tv.ClientOptions = {"ready_timeout": 30.0, "waves": False}
+    with tv.SyncClient(engines, backend="asyncio", **settings) as client:
+        assert_type(client.dead, bool)

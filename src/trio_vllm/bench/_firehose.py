@@ -107,7 +107,7 @@ def run_ceiling(
         # Read as the client's transport does (AsyncSocket._recv_message): a zmq.Frame
         # per frame, copied out, its `more` field read. recv_multipart asks
         # getsockopt(RCVMORE) per frame instead, which builds a SocketOption enum
-        # each time (~0.6 us per message here): a cost the client does not pay.
+        # each time: a cost the client does not pay.
         recv = engine.outputs.recv
         decode = engine.codec.decode_outputs
         prof.start()

@@ -3,7 +3,7 @@
 Standard library only, so that ``_vllm_firehose.py`` (run by vLLM's python) can load
 it by path as well. cProfile sees the calling thread only (the event loop's, in every
 client case); libzmq's I/O threads are not in it. Profiled figures are slower than
-unprofiled ones (cProfile adds roughly 0.5-1 us per Python call), so a profiled run
+unprofiled ones (cProfile adds a cost to every Python call), so a profiled run
 tells where the time goes, and an unprofiled run how much there is.
 """
 

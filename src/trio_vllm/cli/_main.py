@@ -116,11 +116,11 @@ def _build_parser() -> argparse.ArgumentParser:
         getattr(module, sub.add)(commands)
         run: Callable[[argparse.Namespace], int] = getattr(module, sub.run)
         for name in set(commands.choices) - before:
-            commands.choices[name].set_defaults(_cli_run=run)
+            commands.choices[name].set_defaults(cli_run=run)
     for p in _walk(parser):
         p.formatter_class = _PlainFormatter
         # The deepest parser wins: its defaults are applied last.
-        p.set_defaults(_cli_parser=p)
+        p.set_defaults(cli_parser=p)
     return parser
 
 
@@ -166,11 +166,11 @@ def run(argv: Sequence[str] | None) -> int:
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:
-            args._cli_parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        prog = args._cli_parser.prog
+            args.cli_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        prog = args.cli_parser.prog
         handler = _configure_logging(args)
         try:
-            status: int = args._cli_run(args)
+            status: int = args.cli_run(args)
         finally:
             if handler is not None:
                 from .._log import flush_engine_logs

@@ -26,6 +26,8 @@ from ._engines import EnginePlan, UsageError, add_engine_arguments, engine_plan,
 if TYPE_CHECKING:
     import argparse
 
+    from ..client import ClientOptions
+
 __all__ = ["add_parser", "run"]
 
 
@@ -188,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     keys = args.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
     _log_to_stderr(args)
-    options: dict[str, Any] = {}
+    options: ClientOptions = {}
     if args.ready_timeout is not None:
         options["ready_timeout"] = args.ready_timeout
     try:

@@ -15,12 +15,14 @@ from ._engines import EngineSource as EngineSource
 from ._engines import ExternalEngines as ExternalEngines
 from ._engines import ReferenceEngines as ReferenceEngines
 from ._engines import VllmEngines as VllmEngines
+from ._options import ClientOptions as ClientOptions
 from ._prepare import make_request as make_request
 from ._prepare import new_request_id as new_request_id
 from ._prepare import prepare_sampling_params as prepare_sampling_params
 from ._streams import RequestStream as RequestStream
 
 __all__ = [
+    "ClientOptions",
     "EngineCoreClient",
     "EngineEvent",
     "EngineEvents",

@@ -1,4 +1,5 @@
-"""Argument checks for `open_client`, the engine sources and ``add_engines``.
+"""Argument checks for the client's options (``_options.py`` has the table), the engine
+sources and ``add_engines``.
 
 The checks of the sources themselves, which know their classes, are in ``_engines.py``
 and use the helpers here.
@@ -29,16 +30,19 @@ __all__ = [
     "DEFAULT_READY_TIMEOUT",
     "MAX_READY_TIMEOUT",
     "MAX_SHUTDOWN_GRACE",
+    "MAX_STREAM_BUFFER",
     "RANK_LIMIT",
     "argument_list",
     "check_max_pending",
-    "check_open_client",
     "check_rank",
     "choice",
     "environment",
+    "flag",
     "integer",
     "path",
+    "profile",
     "ready_timeout",
+    "seconds",
     "text",
     "type_name",
 ]
@@ -49,8 +53,8 @@ DEFAULT_READY_TIMEOUT: Final = 600.0
 MAX_READY_TIMEOUT: Final = 1e6
 #: ``shutdown_grace`` at most (one hour).
 MAX_SHUTDOWN_GRACE: Final = 3600.0
-_MAX_STREAM_BUFFER: Final = 1 << 24
-_MAX_VOCAB_SIZE: Final = (1 << 31) - 1
+#: ``stream_buffer`` and ``max_pending`` at most.
+MAX_STREAM_BUFFER: Final = 1 << 24
 # An engine's routing identity is its rank in 2 bytes (docs/protocol.md §2.2).
 RANK_LIMIT: Final = 1 << 16
 _READY_TIMEOUT_ENV: Final = "VLLM_ENGINE_READY_TIMEOUT_S"
@@ -91,7 +95,7 @@ def integer(name: str, value: object, *, minimum: int, maximum: int) -> int:
     return number
 
 
-def _flag(name: str, value: object) -> None:
+def flag(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
 
@@ -164,7 +168,7 @@ def check_max_pending(value: object) -> None:
     """``generate(max_pending=...)``: ``None`` (the client's ``stream_buffer``) or an int
     >= 1 (0 used to mean the default silently, ``True`` a buffer of one)."""
     if value is not None:
-        integer("max_pending", value, minimum=1, maximum=_MAX_STREAM_BUFFER)
+        integer("max_pending", value, minimum=1, maximum=MAX_STREAM_BUFFER)
 
 
 def check_rank(rank: object, name: str = "rank") -> None:
@@ -192,12 +196,13 @@ def ready_timeout(value: object, name: str = "ready_timeout") -> float:
     return DEFAULT_READY_TIMEOUT
 
 
-def _profile(value: object) -> None:
+def profile(name: str, value: object) -> None:
+    """``None``, a `ProtocolProfile`, or a vLLM version string it resolves now."""
     if value is None or isinstance(value, ProtocolProfile):
         return
     if not isinstance(value, str):
         raise TypeError(
-            f"profile must be None, a ProtocolProfile or a vLLM version str, got {value!r}"
+            f"{name} must be None, a ProtocolProfile or a vLLM version str, got {value!r}"
         )
     # Resolve it now (an unknown layout must not surface after the engines started);
     # a newer-release warning is passed on, not swallowed.
@@ -206,32 +211,6 @@ def _profile(value: object) -> None:
         try:
             profile_for_version(value)
         except Exception as exc:
-            raise ValueError(f"profile {value!r}: {exc}") from exc
+            raise ValueError(f"{name} {value!r}: {exc}") from exc
     for warning in caught:
         warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-
-
-def check_open_client(
-    *,
-    ready_timeout_s: object,
-    profile: object,
-    allow_insecure_serialization: object,
-    shutdown_grace: object,
-    stream_buffer: object,
-    on_progress: object,
-    on_engine_death: object,
-    waves: object,
-    vocab_size: object,
-) -> None:
-    """Check every `open_client` argument but the engines (``_engines.check_sources``)."""
-    ready_timeout(ready_timeout_s)
-    _profile(profile)
-    _flag("allow_insecure_serialization", allow_insecure_serialization)
-    seconds("shutdown_grace", shutdown_grace, maximum=MAX_SHUTDOWN_GRACE, allow_zero=True)
-    integer("stream_buffer", stream_buffer, minimum=1, maximum=_MAX_STREAM_BUFFER)
-    if on_progress is not None and not callable(on_progress):
-        raise TypeError(f"on_progress must be None or a callable, got {on_progress!r}")
-    choice("on_engine_death", on_engine_death, ("fail", "continue"))
-    _flag("waves", waves)
-    if vocab_size is not None:
-        integer("vocab_size", vocab_size, minimum=1, maximum=_MAX_VOCAB_SIZE)

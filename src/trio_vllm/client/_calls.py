@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from ..protocol.session import ClientSession, DeathRecord
     from ._sender import Sender
+    from ._streams import RequestStream
     from ._wire import Wire
 
 __all__ = ["Call", "call_all", "call_one"]
@@ -35,7 +36,7 @@ class Call:
 
 
 async def call_one(
-    session: ClientSession,
+    session: ClientSession[RequestStream, Call],
     wire: Wire,
     sender: Sender,
     method: str,

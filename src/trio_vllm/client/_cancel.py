@@ -4,13 +4,13 @@ Every public receive call checks for cancellation, also when it returns at once 
 what is buffered (documented; see `Mailbox`). That check is paid once per output on
 the buffered path, so it is bound to the cheapest form that keeps the contract:
 
-- trio: trio's own ``checkpoint_if_cancelled`` (~0.25 us), skipping anyio's dispatch.
+- trio: trio's own ``checkpoint_if_cancelled``, skipping anyio's dispatch.
 - asyncio: `asyncio_check`, which answers "nothing to do" by reading anyio's cancel
   scope state itself and hands every other case to anyio's public
-  ``checkpoint_if_cancelled``. The public call costs ~1.2-1.6 us per call on this
-  project's VM: a backend lookup through sniffio, then anyio's ``WeakKeyDictionary``
+  ``checkpoint_if_cancelled``. The public call costs several times more per call: a
+  backend lookup through sniffio, then anyio's ``WeakKeyDictionary``
   lookup (a new weakref per call) and its scope walk. `asyncio_check` reads the same
-  state through a weakref kept from the previous call (~0.3-0.45 us, see
+  state through a weakref kept from the previous call (figures in
   docs/performance.md). That needs anyio's private asyncio internals
   (``_task_states``, ``TaskState.cancel_scope``, ``CancelScope._cancel_called``,
   ``_shield``, ``_parent_scope``), so it is used only for the anyio versions whose

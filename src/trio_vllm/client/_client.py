@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, TypeVar, final
+from typing import TYPE_CHECKING, TypeVar, Unpack, final
 
 import anyio
 import anyio.abc
@@ -48,16 +47,16 @@ from ..protocol.session import (
     SendWave,
 )
 from . import _args
-from ._calls import Call, call_all, call_one
+from ._calls import call_all, call_one
 from ._engines import check_sources
 from ._mailbox import Mailbox
+from ._options import ClientOptions, resolve_options
 from ._owner import LoopOwner
 from ._receiver import Receiver
 from ._scaling import Scaling
 from ._sender import Sender
 from ._startup import (
     DEFAULT_READY_TIMEOUT,
-    DEFAULT_SHUTDOWN_GRACE,
     Sockets,
     SourceSet,
     StartupProgress,
@@ -73,10 +72,11 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 
     from ..protocol.profiles import ProtocolProfile
-    from ..protocol.session import Action, DeathRecord
+    from ..protocol.session import DeathRecord
     from ..protocol.structs import EngineCoreOutputs, EngineCoreRequest
     from ._engines import EngineSource
     from ._process import EngineProcess
+    from ._types import Session, ShellAction
 
 __all__ = [
     "DEFAULT_READY_TIMEOUT",
@@ -89,8 +89,6 @@ __all__ = [
 
 R = TypeVar("R")
 _default_ready_timeout = default_ready_timeout  # the name tests and callers know
-
-_monotonic = time.monotonic  # Mailbox's clock for its yield interval
 
 logger = logging.getLogger("trio_vllm.client")
 
@@ -108,11 +106,23 @@ class EngineEvents(Mailbox[EngineEvent]):
         return self
 
 
+class _Controls:
+    """What `open_client`, the client's owner, drives of the client it made: filled by
+    `EngineCoreClient` when it is built (its tasks, its exit and close steps)."""
+
+    __slots__ = ("apply", "on_process_exit", "receiver")
+
+    def __init__(self) -> None:
+        self.receiver: Receiver | None = None
+        self.apply: Callable[[list[ShellAction]], None] | None = None
+        self.on_process_exit: Callable[[EngineProcess], None] | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class _Parts:
     """Everything a client is made of, gathered by `open_client`."""
 
-    session: ClientSession
+    session: Session
     sockets: Sockets
     wire: Wire
     ready_responses: Mapping[int, Mapping[str, object]]
@@ -121,6 +131,7 @@ class _Parts:
     stream_buffer: int
     shutdown_grace: float
     addresses: dict[str, str]
+    controls: _Controls
 
 
 @final
@@ -156,9 +167,18 @@ class EngineCoreClient(NamedUtilities):
         self._addresses = parts.addresses
         self._events = EngineEvents()
         self._raw: Mailbox[EngineCoreOutputs] = Mailbox()
+        # Bound once: one call each per message (apply) and per batch (get_output).
+        self._queue_raw = self._raw.put_nowait
+        self._raw_check = self._raw.buffered_check
+        self._raw_take = self._raw.take_buffered
         self._dead_event = anyio.Event()
         self._receiver = Receiver(
-            self._session, self._sockets, self._wire, self._apply, lambda: self._scaling.join
+            self._session,
+            self._sockets,
+            self._wire,
+            self._apply,
+            self._queue_raw,
+            lambda: self._scaling.join,
         )
         self._drain_after_exit = self._receiver.drain_after_exit
         self._sender = Sender(self._input, self._session, self._wire, self._receiver.wake)
@@ -175,6 +195,10 @@ class EngineCoreClient(NamedUtilities):
             abort_requests=self.abort_requests,
             on_process_exit=self._on_process_exit,
         )
+        controls = parts.controls
+        controls.receiver = self._receiver
+        controls.apply = self._apply
+        controls.on_process_exit = self._on_process_exit
 
     # ------------------------------------------------------------------ properties
 
@@ -282,36 +306,29 @@ class EngineCoreClient(NamedUtilities):
         if self._session.dead:
             raise self._session.dead_error()
 
-    def _apply(self, actions: list[Action]) -> None:
+    def _apply(self, actions: list[ShellAction]) -> None:
         """Carry out the session's actions, in order (synchronous)."""
         for action in actions:
             if type(action) is tuple:  # Deliver, the hot path: one per output
-                action[0]._deliver(action[1])  # type: ignore[attr-defined]
+                action[0].deliver(action[1])
             elif type(action) is QueueRaw:
-                raw = self._raw  # Mailbox._put, inlined (one per message)
-                raw._pending.append(action.outputs)
-                if raw._waiting:  # only a waiting consumer needs waking
-                    raw._wakeup.set()
+                self._queue_raw(action.outputs)
             elif isinstance(action, ResolveCall):
                 call = action.handle
-                assert isinstance(call, Call)
                 call.failure, call.result = action.failure, action.result
                 call.event.set()
             elif isinstance(action, FailCall):
                 call = action.handle
-                assert isinstance(call, Call)
                 call.record = action.record
                 call.event.set()
             elif isinstance(action, FailRequest):
-                stream = action.handle
-                assert isinstance(stream, RequestStream)
-                stream._fail(action.record.error)
+                action.handle.fail(action.record.error)
             elif isinstance(action, EmitEvent):
                 if action.event.kind == "rank_lost":
                     logger.warning(
                         "engine rank %s lost: %s", action.event.rank, action.event.payload
                     )
-                self._events._put(action.event)
+                self._events.put_nowait(action.event)
             elif isinstance(action, SendWave):
                 start = action.start
                 logger.debug(
@@ -330,8 +347,8 @@ class EngineCoreClient(NamedUtilities):
             logger.info("client closed")
         else:
             logger.warning("client dead: %s (cause: %r)", record.message, record.cause)
-        self._raw._close(record.error)
-        self._events._close()
+        self._raw.end(record.error)
+        self._events.end()
         self._dead_event.set()
         self._scaling.client_died(record)
 
@@ -390,15 +407,14 @@ class EngineCoreClient(NamedUtilities):
         self._owner.check("get_output")
         session = self._session
         session.raw_called = True  # session.raw_api_used(), inlined: once per batch
+        check = self._raw_check()
+        if check is not None:
+            # The mailbox's buffered path without a coroutine of its own (one per
+            # batch): the cancellation check only; a cancelled call consumed nothing.
+            await check()
+            return self._raw_take()
         raw = self._raw
-        pending = raw._pending
-        if pending:  # nothing to wait for: no waiter to count
-            check = raw._check_cancelled
-            if check is not None and _monotonic() < raw._yield_due:
-                # Mailbox.__anext__'s buffered path, inlined (one per batch): the
-                # cancellation check only; a cancelled call consumed nothing.
-                await check()
-                return pending.popleft()
+        if len(raw):  # nothing to wait for: no waiter to count
             return await raw.__anext__()  # never StopAsyncIteration: raw never ends
         session.raw_waiters += 1
         try:
@@ -410,8 +426,7 @@ class EngineCoreClient(NamedUtilities):
         """The next queued batch, or ``anyio.WouldBlock``; not a checkpoint."""
         self._owner.check("get_output_nowait")
         self._session.raw_called = True  # session.raw_api_used(), inlined
-        pending = self._raw._pending
-        return pending.popleft() if pending else self._raw.receive_nowait()
+        return self._raw.receive_nowait()
 
     async def abort_requests(self, request_ids: Iterable[str], *, rank: int | None = None) -> None:
         """Abort requests by id (vLLM's abort_requests).
@@ -440,12 +455,11 @@ class EngineCoreClient(NamedUtilities):
         self._wire.encode_abort(ids)  # refuses unencodable ids before anything changes
         await anyio.lowlevel.checkpoint()
         self._check_alive()
-        by_rank, streams, actions = self._session.abort(ids, rank)
-        for stream in streams:
-            assert isinstance(stream, RequestStream)
-            stream._abort_locally()
-        self._apply(actions)
-        for target, rank_ids in by_rank.items():
+        aborted = self._session.abort(ids, rank)
+        for stream in aborted.streams:
+            stream.abort_locally()
+        self._apply(aborted.actions)
+        for target, rank_ids in aborted.by_rank.items():
             await self._sender.send_abort(target, rank_ids)
 
     @contextlib.asynccontextmanager
@@ -514,9 +528,10 @@ class EngineCoreClient(NamedUtilities):
 
         return await call_all(call, self._session.live_ranks, return_exceptions=return_exceptions)
 
-    async def _named_utility(self, spec: NamedUtility[..., R], args: list[object]) -> R:
-        """Run one row of the utilities table (``_utilities.py``); every named
-        utility passes through here, so this is where it refuses a foreign caller."""
+    async def run_named_utility(self, spec: NamedUtility[..., R], args: list[object]) -> R:
+        """Run one row of the utilities table (``_utilities.py``) with its user
+        arguments: what every named utility method (``sleep``, ``profile``, ...) calls,
+        so this is where it refuses a foreign caller. Call those methods instead."""
         self._owner.check(spec.name)
         args = wire_args(spec, args, self._wire.profile)
         if spec.fan_out == "one":
@@ -566,17 +581,7 @@ class EngineCoreClient(NamedUtilities):
 
 @contextlib.asynccontextmanager
 async def open_client(
-    engines: EngineSource | Sequence[EngineSource],
-    *,
-    ready_timeout: float | None = None,
-    profile: ProtocolProfile | str | None = None,
-    allow_insecure_serialization: bool = False,
-    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
-    stream_buffer: int = 64,
-    on_progress: Callable[[StartupProgress], None] | None = None,
-    on_engine_death: Literal["fail", "continue"] = "fail",
-    waves: bool = False,
-    vocab_size: int | None = None,
+    engines: EngineSource | Sequence[EngineSource], **options: Unpack[ClientOptions]
 ) -> AsyncIterator[EngineCoreClient]:
     """Start (or wait for) engines, handshake with them, and yield a client.
 
@@ -585,32 +590,14 @@ async def open_client(
             `ExternalEngines`, or a list of them whose ranks do not overlap
             (data parallel over several sources and hosts; each source's engines get
             the addresses of its own layout, e.g. its own host).
-        ready_timeout: seconds to wait for every engine to be ready (default
-            ``VLLM_ENGINE_READY_TIMEOUT_S`` or 600).
-        profile: pin the protocol profile (a profile object or a vLLM version string)
-            instead of taking it from the engines' ready responses.
-        allow_insecure_serialization: accept pickle payloads from engines.
-        shutdown_grace: seconds between SIGTERM and SIGKILL for spawned engines.
-        stream_buffer: default per-stream buffer before coalescing.
-        on_progress: called (synchronously) on every startup step.
-        on_engine_death: ``"fail"`` (default, as vLLM): one rank's death makes the
-            client dead, the error naming the rank. ``"continue"``: only that rank's
-            requests and utility calls fail (`EngineDeadError` with its
-            ``rank``), new requests go to the surviving ranks, an
-            `EngineEvent` ``"rank_lost"`` is queued; the client dies when the
-            last rank does.
-        waves: play the DP coordinator's wave role for MoE engines (docs/protocol.md
-            §7.4/§7.5): wake idle ranks with START_DP_WAVE when a request goes to one
-            of them, follow ``wave_complete``/``start_wave``. Only for engines that
-            run DP waves (without a coordinator); others log each START_DP_WAVE.
-        vocab_size: the model's vocabulary size, when known: a request holding a
-            token id at or above it (prompt, ``allowed_token_ids``, ``logit_bias``,
-            stop ids, ...) is refused with ``ValueError`` before it is sent, since a
-            stock engine core dies of such an id.
+        **options: the `ClientOptions` (``ready_timeout``, ``profile``,
+            ``allow_insecure_serialization``, ``shutdown_grace``, ``stream_buffer``,
+            ``on_progress``, ``on_engine_death``, ``waves``, ``vocab_size``), each
+            documented there.
 
     Raises:
-        TypeError, ValueError: a bad argument (named in the message), before any
-            socket is bound or process started.
+        TypeError, ValueError: a bad argument or an unknown keyword (named in the
+            message), before any socket is bound or process started.
         EngineStartupError: an engine exited during startup (exit code and its last
             output lines in the message), the handshake failed (the
             `ProtocolError` chained), or ``ready_timeout`` passed.
@@ -622,30 +609,26 @@ async def open_client(
     they are (never wrapped in an exception group).
     """
     check_sources(engines)
-    _args.check_open_client(
-        ready_timeout_s=ready_timeout,
-        profile=profile,
-        allow_insecure_serialization=allow_insecure_serialization,
-        shutdown_grace=shutdown_grace,
-        stream_buffer=stream_buffer,
-        on_progress=on_progress,
-        on_engine_death=on_engine_death,
-        waves=waves,
-        vocab_size=vocab_size,
-    )
-    timeout = _args.ready_timeout(ready_timeout)
-    shutdown_grace = float(shutdown_grace)
+    resolved = resolve_options(options)
+    timeout = resolved["ready_timeout"]
+    assert timeout is not None  # resolved: the caller's, the environment's or 600 s
+    shutdown_grace = resolved["shutdown_grace"]
+    on_progress = resolved["on_progress"]
+    on_engine_death = resolved["on_engine_death"]
+    profile = resolved["profile"]
     source_set = SourceSet(engines)
-    session = ClientSession(source_set.ranks, on_engine_death=on_engine_death, waves=waves)
+    session: Session = ClientSession(
+        source_set.ranks, on_engine_death=on_engine_death, waves=resolved["waves"]
+    )
     sockets = Sockets(watch_disconnects=any(lay.watch_disconnects for lay in source_set.layouts))
     processes: list[EngineProcess] = []
-    client: EngineCoreClient | None = None
+    controls = _Controls()
     body_error: BaseException | None = None
     try:
 
         def on_exit(process: EngineProcess) -> None:
-            if client is not None:
-                client._on_process_exit(process)
+            if controls.on_process_exit is not None:
+                controls.on_process_exit(process)
 
         async with anyio.create_task_group() as tg:
             try:
@@ -665,7 +648,7 @@ async def open_client(
                     wire = Wire.create(
                         profile=profile,
                         vllm_version=connected.complete.vllm_version,
-                        allow_insecure_serialization=allow_insecure_serialization,
+                        allow_insecure_serialization=resolved["allow_insecure_serialization"],
                     )
                 except ProtocolError as exc:
                     raise EngineStartupError(
@@ -673,7 +656,7 @@ async def open_client(
                         "open_client(profile=...) only if you know the wire layout matches."
                     ) from exc
                 wire.set_limits(connected.complete.ready_responses)
-                wire.vocab_size = vocab_size
+                wire.vocab_size = resolved["vocab_size"]
                 client = EngineCoreClient(
                     _Parts(
                         session=session,
@@ -682,24 +665,27 @@ async def open_client(
                         ready_responses=connected.complete.ready_responses,
                         processes=processes,
                         task_group=tg,
-                        stream_buffer=stream_buffer,
+                        stream_buffer=resolved["stream_buffer"],
                         shutdown_grace=shutdown_grace,
                         addresses=sockets.addresses(connected.handshakes),
+                        controls=controls,
                     )
                 )
                 # An engine may have exited between READY and now.
                 for process in processes:
                     if process.exited.is_set():
-                        client._on_process_exit(process)
-                tg.start_soon(client._receiver.receive_loop)
-                tg.start_soon(client._receiver.guard_input)
+                        on_exit(process)
+                receiver = controls.receiver
+                assert receiver is not None
+                tg.start_soon(receiver.receive_loop)
+                tg.start_soon(receiver.guard_input)
                 yield client
             except BaseException as exc:
                 body_error = exc
             finally:
-                if client is not None:
-                    client._receiver.closing = True
-                    client._apply(client._session.close())
+                if controls.receiver is not None and controls.apply is not None:
+                    controls.receiver.closing = True
+                    controls.apply(session.close())
                 # The list also holds engines added by add_engines.
                 await stop_processes(processes, shutdown_grace)
                 tg.cancel_scope.cancel()

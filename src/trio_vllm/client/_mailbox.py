@@ -6,7 +6,7 @@ events and the raw ``get_output`` batches, and extended by
 `RequestStream`, which merges into its newest item instead of
 queueing once it holds ``max_pending`` (O(1) coalescing, see ``_streams.py``).
 
-Ending: `Mailbox.close` with no error ends iteration (``anyio.EndOfStream``
+Ending: `Mailbox.end` with no error ends iteration (``anyio.EndOfStream``
 from `receive`) once the queue is empty; with an error factory every
 later call raises a fresh error from it, also once the queue is empty, so items
 that arrived before the end are always handed out first.
@@ -37,15 +37,18 @@ T = TypeVar("T")
 
 # How long a consumer that finds items buffered may go without yielding to other
 # tasks; it still checks for cancellation on every call. A full scheduler pass per
-# output was a third of the raw API's CPU at 1 output per message (bench firehose)
-# and most of a lagging stream consumer's (bench sync).
+# output was a large part of the raw API's CPU at 1 output per message (bench firehose)
+# and most of a lagging stream consumer's (bench sync; docs/performance.md).
 YIELD_INTERVAL: Final = 0.001
+_monotonic: Final = time.monotonic  # bound once: read on every buffered receive
 
 
 class _Wakeup(Protocol):
     def set(self) -> None: ...
 
-    async def wait(self) -> None: ...
+    def abort(self, _raise_cancel: object) -> object: ...
+
+    def park(self, abort: Callable[[object], object]) -> Awaitable[object]: ...
 
 
 class _Nobody:
@@ -56,17 +59,21 @@ class _Nobody:
     def set(self) -> None:
         pass
 
-    async def wait(self) -> None:  # pragma: no cover (replaced before any wait)
+    def abort(self, _raise_cancel: object) -> object:  # pragma: no cover (never parked)
+        raise AssertionError("nobody is parked on a mailbox's first wake-up")
+
+    def park(self, abort: Callable[[object], object]) -> Awaitable[object]:  # pragma: no cover
         raise AssertionError("a mailbox waits on its backend's wake-up")
 
 
 _NOBODY: Final = _Nobody()
+_NO_ABORT: Final = _NOBODY.abort  # bound once, shared by every mailbox not yet waited on
 
 
 class _TrioWakeup:
     """Parked trio tasks, rescheduled by `set`: no event object per wake-up and none
-    of anyio's dispatch (an `anyio.Event` made and waited per wake-up cost a tenth of
-    a 4096-stream consumer's time). `set` with nobody parked does nothing: a consumer
+    of anyio's dispatch (an `anyio.Event` made and waited per wake-up was a visible part
+    of a 4096-stream consumer's time). `set` with nobody parked does nothing: a consumer
     looks at its queue, synchronously, right before it parks. One waiter is the rule
     (one consumer); further ones, if any, wait in a list."""
 
@@ -87,24 +94,29 @@ class _TrioWakeup:
             for task in more:
                 self._lowlevel.reschedule(task)
 
-    def _abort(self, _raise_cancel: object) -> object:
+    def abort(self, _raise_cancel: object) -> object:
+        """trio's abort callback of the first waiter's park."""
         self._task = None  # only called while this waiter is still parked as _task
         return self._lowlevel.Abort.SUCCEEDED
 
-    async def wait(self) -> None:
-        """Park until `set`; a checkpoint (cancellable: then nothing changed).
+    def park(self, abort: Callable[[object], object]) -> Awaitable[object]:
+        """Register the calling task and return the wait it awaits until `set`: a
+        checkpoint (cancellable: then nothing changed).
 
-        `Mailbox.__anext__` inlines the first waiter's park (see there); this is the
-        general path."""
+        A plain function, not a coroutine: the caller awaits trio's own wait in its own
+        frame, so a parked consumer keeps no coroutine of ours alive until woken (with
+        thousands of streams such objects outlive young collections and fill the older
+        generations; see docs/performance.md, issue 14's third pass). ``abort`` is this
+        wake-up's `abort`, bound once by the caller and held there (a bound method per
+        park is one more object alive while parked; held here it would be a cycle)."""
         lowlevel = self._lowlevel
         if self._task is None:
             self._task = lowlevel.current_task()
-            await lowlevel.wait_task_rescheduled(self._abort)
-            return
-        await self._wait_more()
+            return lowlevel.wait_task_rescheduled(abort)  # type: ignore[no-any-return]
+        return self._wait_more()
 
     async def _wait_more(self) -> None:
-        # Apart from wait(): a closure's variables are cells made on every call of the
+        # Apart from park(): a closure's variables are cells made on every call of the
         # function that holds them, and the common path has no use for them.
         lowlevel = self._lowlevel
         task = lowlevel.current_task()
@@ -128,11 +140,14 @@ class _AnyioWakeup:
     def set(self) -> None:
         self._event.set()
 
-    async def wait(self) -> None:
+    def abort(self, _raise_cancel: object) -> object:  # pragma: no cover (trio's only)
+        raise AssertionError("an anyio wake-up has no abort callback")
+
+    def park(self, abort: Callable[[object], object]) -> Awaitable[object]:
         event = self._event
         if event.is_set():
             event = self._event = anyio.Event()
-        await event.wait()
+        return event.wait()
 
 
 def _wakeup_for_backend() -> _Wakeup:
@@ -160,31 +175,32 @@ class Mailbox(Generic[T]):
         self._yield_due = 0.0  # until then a call that finds items may skip yielding
         # How many consumers are blocked on _wakeup. Only then does a put set it: a
         # consumer always looks at the queue before waiting, and setting an event per
-        # item (with nobody waiting) was a fifth of the raw API's CPU at 1
+        # item (with nobody waiting) was a large part of the raw API's CPU at 1
         # output/message. A count, not a flag: one consumer leaving its wait (woken or
         # cancelled) must not hide the others still parked from the producer.
         self._waiting = 0
         self._check_cancelled: Callable[[], Awaitable[None]] | None = None  # on first use
-        # The trio wake-up's abort, bound once (a bound method per park is one more
-        # object alive while parked); held here, not by the wake-up: no reference cycle.
-        self._abort_park: Callable[[object], object] | None = None
+        # The wake-up's abort, bound once (a bound method per park is one more object
+        # alive while parked); held here, not by the wake-up: no reference cycle.
+        self._abort_park: Callable[[object], object] = _NO_ABORT
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    # -- producer side (synchronous, never blocks) ---------------------------------
+    # -- producer side (synchronous, never blocks; the client's, not for applications) --
 
-    def _put(self, item: T) -> None:
+    def put_nowait(self, item: T) -> None:
+        """Queue ``item`` (dropped once the mailbox ended) and wake a parked consumer."""
         if not self._ended:
             self._pending.append(item)
-            if self._waiting:
+            if self._waiting:  # only a waiting consumer needs waking
                 self._wakeup.set()
 
     def _notify(self) -> None:
         if self._waiting:
             self._wakeup.set()
 
-    def _close(self, error: Callable[[], BaseException] | None = None) -> None:
+    def end(self, error: Callable[[], BaseException] | None = None) -> None:
         """No more items; with ``error``, calls raise ``error()`` once the queue is empty."""
         if error is None:
             self._ended = True
@@ -205,6 +221,27 @@ class Mailbox(Generic[T]):
     def _at_end(self) -> bool:
         return self._ended
 
+    def buffered_check(self) -> Callable[[], Awaitable[None]] | None:
+        """The fast path of a receive call, for a caller that wraps one (``get_output``):
+        when an item is buffered and this mailbox yielded to other tasks less than
+        `YIELD_INTERVAL` ago, the cancellation check to await before `take_buffered`
+        (instead of a full scheduler pass); otherwise ``None`` (use ``__anext__``)."""
+        if self._pending and _monotonic() < self._yield_due:
+            check = self._check_cancelled
+            if check is None:
+                # The running backend's cancellation check (trio's own on trio; on
+                # asyncio a cheaper read of anyio's scope state where that is safe).
+                check = self._check_cancelled = backend_check()
+            return check
+        return None
+
+    def take_buffered(self) -> T:
+        """The next buffered item, after the check `buffered_check` returned was awaited
+        (not a checkpoint). A plain mailbox's `_take` is the pop itself, so this is it
+        too (one call less per batch on ``get_output``'s path); a subclass with its own
+        `_take` bookkeeping overrides this as well."""
+        return self._pending.popleft()
+
     def __aiter__(self) -> Mailbox[T]:
         return self
 
@@ -212,19 +249,19 @@ class Mailbox(Generic[T]):
         # While items are buffered, yield to other tasks at most once per interval
         # (always checking for cancellation): a full scheduler pass per item was most
         # of a lagging consumer's cost. Either way a cancelled call consumed nothing.
+        # (`buffered_check` is this test as a method, for callers that wrap a receive;
+        # here it stays inline: this is the per-output path of every stream.)
         if self._pending:
-            if time.monotonic() < self._yield_due:
+            if _monotonic() < self._yield_due:
                 check = self._check_cancelled
                 if check is None:
-                    # The running backend's cancellation check (trio's own on trio; on
-                    # asyncio a cheaper read of anyio's scope state where that is safe).
                     check = self._check_cancelled = backend_check()
                 await check()
                 return self._take()
             await anyio.lowlevel.checkpoint()
         while True:
             if self._pending:
-                self._yield_due = time.monotonic() + YIELD_INTERVAL
+                self._yield_due = _monotonic() + YIELD_INTERVAL
                 return self._take()
             if self._at_end() or self._error is not None:
                 await anyio.lowlevel.checkpoint()
@@ -240,20 +277,10 @@ class Mailbox(Generic[T]):
             wakeup = self._wakeup
             if wakeup is _NOBODY:
                 wakeup = self._wakeup = _wakeup_for_backend()
-                if type(wakeup) is _TrioWakeup:
-                    self._abort_park = wakeup._abort
+                self._abort_park = wakeup.abort
             self._waiting += 1
             try:
-                if type(wakeup) is _TrioWakeup and wakeup._task is None:
-                    # _TrioWakeup.wait, inlined: a parked consumer keeps its chain of
-                    # awaits alive until woken, and with thousands of streams those
-                    # objects outlive young collections and fill the older
-                    # generations (see docs/performance.md, issue 14's third pass).
-                    lowlevel = wakeup._lowlevel
-                    wakeup._task = lowlevel.current_task()
-                    await lowlevel.wait_task_rescheduled(self._abort_park)
-                else:
-                    await wakeup.wait()
+                await wakeup.park(self._abort_park)
             finally:
                 self._waiting -= 1
 

@@ -11,9 +11,9 @@ The owner is the triple (thread, asyncio loop, sniffio's thread-local library na
 the running asyncio loop tells an ``asyncio.run`` nested in trio's thread, the library
 name (trio sets it to ``"trio"`` for the whole run, guest mode included; asyncio leaves
 it unset) a ``trio.run`` nested in asyncio's thread; a second trio run cannot share a
-thread with the first. All three are plain reads, about 0.2 us together: the check
-sits on ``get_output``'s path. (``trio.lowlevel.current_trio_token`` and
-``in_trio_run`` cost 0.3-1.4 us, the latter raising internally outside a run.)
+thread with the first. All three are plain reads: the check sits on ``get_output``'s
+path. (``trio.lowlevel.current_trio_token`` and ``in_trio_run`` cost more, the latter
+raising internally outside a run; docs/performance.md.)
 """
 
 from __future__ import annotations

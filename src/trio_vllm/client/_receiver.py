@@ -25,9 +25,10 @@ from ._startup import _bytes
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ..protocol.session import Action, ClientSession
+    from ..protocol.structs import EngineCoreOutputs
     from ..transport import AsyncSocket
     from ._startup import HandshakeRun, Sockets
+    from ._types import Session, ShellAction
     from ._wire import Wire
 
 __all__ = ["Receiver"]
@@ -46,12 +47,11 @@ _EXIT_DRAIN_MAX_S: Final = 1.0
 # messages, but ~8 of 64 outputs each. Everything of a batch is decoded before the
 # consumer runs, so a large batch of large messages keeps megabytes of fresh objects
 # alive in the raw queue: the decode then writes cold memory and the collector runs over
-# them (bench firehose, 64 outputs per message, backlog: 131 -> 59 us per message).
+# them (bench firehose at 64 outputs per message: docs/performance.md).
 # Streams get a larger batch than the transport's default instead: there every output
 # wakes its consumer unless more outputs of the same stream arrive in the same batch, so
-# a batch of more messages means fewer task switches per output (4096 streams at 64
-# outputs per message, A/B: 32 KiB 2150, 256 KiB ~750-890, 1 MiB ~390-570 us per
-# message; at 1 output per message the 256-message cap ends the batch first).
+# a batch of more messages means fewer task switches per output (A/B of the sizes in
+# docs/performance.md; at 1 output per message the 256-message cap ends the batch first).
 _RAW_BATCH_BYTES: Final = 32 * 1024
 _STREAM_BATCH_BYTES: Final = 1024 * 1024
 
@@ -63,10 +63,11 @@ class Receiver:
 
     def __init__(
         self,
-        session: ClientSession,
+        session: Session,
         sockets: Sockets,
         wire: Wire,
-        apply: Callable[[list[Action]], None],
+        apply: Callable[[list[ShellAction]], None],
+        queue_raw: Callable[[EngineCoreOutputs], None],
         join: Callable[[], HandshakeRun | None],
     ) -> None:
         self._session = session
@@ -74,6 +75,7 @@ class Receiver:
         self._input = sockets.input
         self._wire = wire
         self._apply = apply
+        self._queue_raw = queue_raw  # what apply does for a QueueRaw: the raw mailbox's put
         self._join = join
         self.closing = False  # open_client is closing: a closed socket is no death
         self._receiving = False
@@ -99,6 +101,7 @@ class Receiver:
         decode = self._wire.decode_outputs
         receive = session.receive
         apply = self._apply
+        queue_raw = self._queue_raw
         self._receiving = True
         try:
             while not session.dead:
@@ -117,9 +120,17 @@ class Receiver:
                         for frames in await socket.receive_batch(max_bytes=limit):
                             actions = receive(decode(frames))
                             if actions:
-                                if type(actions[-1]) is QueueRaw:  # appended last
+                                last = actions[-1]
+                                if type(last) is QueueRaw:  # appended last
                                     self._raw_batch = True
-                                apply(actions)
+                                    if len(actions) == 1:
+                                        # The raw API's one action per message:
+                                        # apply's dispatch skipped, its effect kept.
+                                        queue_raw(last.outputs)
+                                    else:
+                                        apply(actions)
+                                else:
+                                    apply(actions)
                             if session.death is not None:
                                 return
                 self._scope = None

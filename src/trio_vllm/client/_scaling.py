@@ -25,10 +25,11 @@ from ._startup import SourceSet, connect_engines, stop_processes
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from ..protocol.session import Action, ClientSession, DeathRecord
+    from ..protocol.session import DeathRecord
     from ._engines import EngineSource
     from ._process import EngineProcess
     from ._startup import HandshakeRun, Sockets
+    from ._types import Session, ShellAction
     from ._wire import Wire
 
 __all__ = ["Scaling"]
@@ -42,7 +43,7 @@ class Scaling:
     def __init__(
         self,
         *,
-        session: ClientSession,
+        session: Session,
         sockets: Sockets,
         wire: Wire,
         processes: list[EngineProcess],
@@ -50,7 +51,7 @@ class Scaling:
         task_group: anyio.abc.TaskGroup,
         shutdown_grace: float,
         check_alive: Callable[[], None],
-        apply: Callable[[list[Action]], None],
+        apply: Callable[[list[ShellAction]], None],
         abort_requests: Callable[[list[str]], Awaitable[None]],
         on_process_exit: Callable[[EngineProcess], None],
     ) -> None:

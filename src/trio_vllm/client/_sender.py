@@ -9,7 +9,7 @@ work in cancelled code.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -32,7 +32,9 @@ class Sender:
     def __init__(
         self,
         input_socket: AsyncSocket,
-        session: ClientSession,
+        # Any handles: the sender only reads and records deaths, never a stream or call
+        # (and _calls, which holds Call, imports this module).
+        session: ClientSession[Any, Any],
         wire: Wire,
         wake: Callable[[], None],
     ) -> None:

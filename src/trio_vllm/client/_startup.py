@@ -260,7 +260,7 @@ class _Handshakes:
     def ranks(self) -> list[int]:
         return sorted(self._by_rank)
 
-    def _union(self, name: str) -> tuple[int, ...]:
+    def union(self, name: str) -> tuple[int, ...]:
         return tuple(sorted(r for p in self._parts for r in getattr(p, name)))
 
     @property
@@ -352,9 +352,9 @@ class HandshakeRun:
         self.on_progress(
             StartupProgress(
                 expected=tuple(hs.ranks),
-                connected=hs._union("connected"),
-                ready=hs._union("ready"),
-                responded=hs._union("responded"),
+                connected=hs.union("connected"),
+                ready=hs.union("ready"),
+                responded=hs.union("responded"),
                 elapsed=time.monotonic() - self.started_at,
                 event=event,
             )

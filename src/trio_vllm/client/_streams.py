@@ -1,7 +1,7 @@
 """Per-request output streams, fed by the receive task without ever blocking it.
 
 The receive task hands each `EngineCoreOutput` of a request to its
-`RequestStream` with a synchronous call (`RequestStream._deliver`); the
+`RequestStream` with a synchronous call (`RequestStream.deliver`); the
 consumer awaits them with ``async for``. A stream buffers at most ``max_pending``
 outputs. When a consumer lags behind by that many engine steps, further outputs are
 *coalesced* into the last buffered one instead of queued: token ids are appended,
@@ -190,9 +190,11 @@ class RequestStream(Mailbox[EngineCoreOutput]):
         """True once the engine sent the request's final output (or it was aborted)."""
         return self._received_final or self.aborted
 
-    # -- producer side (receive task; synchronous, never blocks) -------------------
+    # -- producer side (the client's receive task; synchronous, never blocks) ------
+    # Called by the client only, never by application code.
 
-    def _deliver(self, output: EngineCoreOutput) -> None:
+    def deliver(self, output: EngineCoreOutput) -> None:
+        """Queue (or coalesce) one output of this request; late ones are dropped."""
         if self._received_final or self.aborted:
             return  # late output after finish/abort: ignore (docs/protocol.md §3.4)
         pending = self._pending
@@ -219,10 +221,12 @@ class RequestStream(Mailbox[EngineCoreOutput]):
         if output.finish_reason is not None:
             self._received_final = True
 
-    def _fail(self, error: Callable[[], BaseException]) -> None:
-        self._close(error)
+    def fail(self, error: Callable[[], BaseException]) -> None:
+        """The request failed: ``error()`` is raised once the buffered outputs are read."""
+        self.end(error)
 
-    def _abort_locally(self) -> None:
+    def abort_locally(self) -> None:
+        """The client aborted the request: drop what is buffered and stop iterating."""
         self.aborted = True
         self._pending.clear()
         self._lp_parts = None
@@ -245,6 +249,9 @@ class RequestStream(Mailbox[EngineCoreOutput]):
             self.finish_reason = output.finish_reason
             self._done = True
         return output
+
+    def take_buffered(self) -> EngineCoreOutput:
+        return self._take()
 
     def _take_all(self) -> list[EngineCoreOutput]:
         # Only the last output needs _take's bookkeeping (a pending merge, the final

@@ -12,7 +12,7 @@ left off when they are ``None``, refused with ``ValueError`` otherwise.
 `NamedUtilities` holds the table as descriptors: on an
 `EngineCoreClient` each is an ``async`` method, on a
 `SyncClient` a blocking one, with the same name, arguments and
-documentation. Both clients implement ``_named_utility(spec, args)``.
+documentation. Both clients implement ``run_named_utility(spec, args)``.
 """
 
 from __future__ import annotations
@@ -47,14 +47,16 @@ T = TypeVar("T")
 FanOut = Literal["one", "all", "agree"]
 
 
-# The two kinds of client, told apart by their ``_named_utility``: the table needs no
+# The two kinds of client, told apart by their ``run_named_utility``: the table needs no
 # import of either client (each imports this module).
 class _AsyncClient(Protocol):
-    def _named_utility(self, spec: NamedUtility[..., T], args: list[object], /) -> Awaitable[T]: ...
+    def run_named_utility(
+        self, spec: NamedUtility[..., T], args: list[object], /
+    ) -> Awaitable[T]: ...
 
 
 class _SyncClient(Protocol):
-    def _named_utility(self, spec: NamedUtility[..., T], args: list[object], /) -> T: ...
+    def run_named_utility(self, spec: NamedUtility[..., T], args: list[object], /) -> T: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +80,7 @@ class NamedUtility(Generic[P, R]):
     def __get__(self, obj: object, owner: type) -> object:
         if obj is None:
             return self
-        call = obj._named_utility  # type: ignore[attr-defined]
+        call = obj.run_named_utility  # type: ignore[attr-defined]
         spec = self
 
         @functools.wraps(self.arguments)

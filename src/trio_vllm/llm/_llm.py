@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Unpack
 
 import anyio
 import msgspec
@@ -23,9 +23,8 @@ from ._stream import RequestOutputStream
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Mapping, Sequence
-    from types import TracebackType
 
-    from ..client import EngineCoreClient, EngineSource
+    from ..client import ClientOptions, EngineCoreClient, EngineSource
     from ..text import (
         ChatMessage,
         ModelFiles,
@@ -36,38 +35,9 @@ if TYPE_CHECKING:
         Tokenizer,
     )
 
-__all__ = ["LLM", "open_llm"]
+__all__ = ["LLM", "final_only", "open_llm"]
 
 logger = logging.getLogger("trio_vllm.llm")
-
-
-class _Generate:
-    """The context manager ``llm.generate`` returns (a class: no generator frames)."""
-
-    __slots__ = ("_llm", "_stream")
-
-    def __init__(self, llm: LLM, stream: RequestOutputStream) -> None:
-        self._llm = llm
-        self._stream = stream
-
-    async def __aenter__(self) -> RequestOutputStream:
-        llm = self._llm
-        llm._check_alive()
-        stream = self._stream
-        # Registered before the first send and forgotten by the stream's close on every
-        # way out (including a cancelled send), so llm.abort() sees every request that may
-        # be on the engine and nothing that is not.
-        llm._register(stream)
-        await stream._open()
-        return stream
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._stream._close()
 
 
 class LLM:
@@ -146,12 +116,12 @@ class LLM:
         return self.sampling_defaults.sampling_params()
 
     def _stream(self, processed: ProcessedRequest) -> RequestOutputStream:
-        return RequestOutputStream(self.client, self._outputs, processed, self._unregister)
-
-    def _check_alive(self) -> None:
-        error = self.client.dead_error()
-        if error is not None:
-            raise error
+        # The stream is the block's context manager: entering registers it here (so
+        # llm.abort() sees every request that may be on the engine) before the first
+        # send, and its close forgets it on every way out, a cancelled send included.
+        return RequestOutputStream(
+            self.client, self._outputs, processed, self._register, self._unregister
+        )
 
     def _register(self, stream: RequestOutputStream) -> None:
         self._streams.setdefault(stream.request_id, []).append(stream)
@@ -189,7 +159,7 @@ class LLM:
         processed = self._inputs.process_inputs(
             self._new_id() if request_id is None else request_id, prompt, params
         )
-        return _Generate(self, self._stream(processed))
+        return self._stream(processed)
 
     async def generate_final(
         self,
@@ -203,7 +173,7 @@ class LLM:
         ``params.output_kind`` is ignored (the request is sent as FINAL_ONLY).
         Cancellation aborts the request on the engine; errors as `generate`.
         """
-        params = self._final_only(params)
+        params = final_only(self.sampling_defaults, params)
         async with self.generate(prompt, params, request_id=request_id) as stream:
             return await _last_output(stream)
 
@@ -230,7 +200,7 @@ class LLM:
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
         )
-        return _Generate(self, self._stream(processed))
+        return self._stream(processed)
 
     async def chat_final(
         self,
@@ -243,7 +213,7 @@ class LLM:
         chat_template_kwargs: Mapping[str, object] | None = None,
     ) -> RequestOutput:
         """`chat`, returning the final output (as `generate_final`)."""
-        params = self._final_only(params)
+        params = final_only(self.sampling_defaults, params)
         async with self.chat(
             messages,
             params,
@@ -271,11 +241,6 @@ class LLM:
             chat_template_kwargs=chat_template_kwargs,
         )
 
-    def _final_only(self, params: SamplingParams | None) -> SamplingParams:
-        if params is None:
-            return self.sampling_defaults.sampling_params(output_kind=RequestOutputKind.FINAL_ONLY)
-        return msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-
     async def abort(self, request_id: str) -> None:
         """Abort every request in flight under the external id ``request_id``.
 
@@ -290,7 +255,14 @@ class LLM:
             return
         await self.client.abort_requests(ids)
         for stream in streams:
-            stream._aborted_by_client(stream.engine_request_ids)
+            stream.client_aborted(stream.engine_request_ids)
+
+
+def final_only(defaults: SamplingDefaults, params: SamplingParams | None) -> SamplingParams:
+    """``params`` (or the model's defaults) sent as FINAL_ONLY (``generate_final``)."""
+    if params is None:
+        return defaults.sampling_params(output_kind=RequestOutputKind.FINAL_ONLY)
+    return msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _default_name(model: str | os.PathLike[str]) -> str:
@@ -313,7 +285,7 @@ async def open_llm(
     served_model_name: str | None = None,
     generation_config: str | os.PathLike[str] = "auto",
     override_generation_config: Mapping[str, object] | None = None,
-    **client_options: Any,
+    **options: Unpack[ClientOptions],
 ) -> AsyncIterator[LLM]:
     """Load ``model``'s tokenizer, start the engines, and yield an `LLM`.
 
@@ -324,7 +296,7 @@ async def open_llm(
     ``--generation-config`` (``"auto"``: the model's ``generation_config.json`` gives the
     sampling defaults; ``"vllm"``: none; or a directory) and
     ``--override-generation-config`` (see `ModelFiles`).
-    ``client_options`` are `open_client`'s keywords.
+    ``options`` are the `ClientOptions`, as for `open_client`.
 
     The tokenizer is loaded (in a worker thread) before any engine starts, so a bad
     model directory fails fast (``FileNotFoundError`` / ``ValueError``). On exit the
@@ -353,7 +325,7 @@ async def open_llm(
             "the model's generation_config.json" if defaults.source == "auto" else defaults.source,
             dict(defaults),
         )
-    async with open_client(engines, **client_options) as client:
+    async with open_client(engines, **options) as client:
         yield LLM(
             client,
             model=model,

@@ -29,6 +29,7 @@ from ..protocol import RequestOutputKind
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
     from contextlib import AbstractAsyncContextManager
+    from types import TracebackType
 
     from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -92,6 +93,7 @@ class RequestOutputStream:
         client: EngineCoreClient,
         processor: OutputProcessor,
         processed: ProcessedRequest,
+        on_open: Callable[[RequestOutputStream], None],
         on_close: Callable[[RequestOutputStream], None],
     ) -> None:
         self.request_id = processed.external_req_id
@@ -105,6 +107,7 @@ class RequestOutputStream:
         self._children = [_Child(req) for req in processed.requests]
         self._by_id = {c.request_id: c for c in self._children}
         self._pending: collections.deque[RequestOutput] = collections.deque()
+        self._on_open = on_open
         self._on_close = on_close
         self._entered = False
         self._closed = False
@@ -124,7 +127,26 @@ class RequestOutputStream:
         """The internal ids sent to the engine (one per child)."""
         return [c.request_id for c in self._children]
 
-    # -- lifetime (driven by the generate context manager) ----------------------------
+    # -- lifetime: the stream is the context manager ``llm.generate`` returns ----------
+    # (a class, not an asynccontextmanager: no generator frames per request)
+
+    async def __aenter__(self) -> RequestOutputStream:
+        error = self._client.dead_error()
+        if error is not None:
+            raise error
+        # Registered before the first send and forgotten by _close on every way out
+        # (including a cancelled send).
+        self._on_open(self)
+        await self._open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._close()
 
     async def _open(self) -> None:
         """Register with the processor and send every engine request, atomically.
@@ -199,8 +221,9 @@ class RequestOutputStream:
         if ids:
             self._processor.abort_requests(ids, internal=True)
 
-    def _aborted_by_client(self, request_ids: list[str]) -> None:
-        """The client aborted these children (``llm.abort``): give their abort outputs."""
+    def client_aborted(self, request_ids: list[str]) -> None:
+        """`LLM.abort` aborted these children on the engine: the stream delivers their
+        final ``abort`` outputs and stops (called by the LLM, not by applications)."""
         ids = [rid for rid in request_ids if self._processor.has_request(rid)]
         if ids:
             result = self._processor.abort_requests(ids, internal=True)
@@ -265,7 +288,7 @@ class RequestOutputStream:
                 except StopAsyncIteration:
                     # Ended without a final output: aborted through the client
                     # (llm.abort, client.abort_requests).
-                    self._aborted_by_client([self._children[0].request_id])
+                    self.client_aborted([self._children[0].request_id])
                 else:
                     batch = [output]
                     if output.finish_reason is None:
@@ -279,7 +302,7 @@ class RequestOutputStream:
                 if kind == _OUTPUT:
                     await self._process([value])
                 elif kind == _END:
-                    self._aborted_by_client(value)
+                    self.client_aborted(value)
                 else:
                     raise value
             if self._pending:

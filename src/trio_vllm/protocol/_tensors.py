@@ -22,7 +22,7 @@ import numpy as np
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-__all__ = ["RawTensor", "TensorLike", "torch_available"]
+__all__ = ["AuxFrames", "RawTensor", "TensorLike", "torch_available"]
 
 _torch: Any = None
 _torch_checked = False
@@ -95,7 +95,7 @@ class RawTensor:
 
     __hash__ = None  # type: ignore[assignment]
 
-    def to_numpy(self) -> np.ndarray[Any, Any]:
+    def to_numpy(self) -> np.ndarray[tuple[int, ...], np.dtype[np.generic]]:
         """The values as an ndarray (copies); bfloat16 is widened to float32."""
         if self.dtype == "bfloat16":
             bits = np.frombuffer(self.data, dtype="<u2").astype(np.uint32) << 16
@@ -105,12 +105,16 @@ class RawTensor:
         arr = np.frombuffer(self.data, dtype=_TORCH_TO_NUMPY[self.dtype])
         return arr.reshape(self.shape).copy()
 
-    def to_torch(self) -> Any:
-        """Convert to a torch tensor (copies; needs torch)."""
+    def to_torch(self) -> TensorLike:
+        """Convert to a ``torch.Tensor`` (copies; needs torch). Typed as `TensorLike`,
+        of which a tensor is a virtual subclass: torch is optional here."""
         torch = _get_torch()
         if torch is None:
             raise RuntimeError("torch is not importable")
-        return _torch_from_buffer(torch, self.dtype, self.shape, memoryview(bytes(self.data)))
+        tensor: TensorLike = _torch_from_buffer(
+            torch, self.dtype, self.shape, memoryview(bytes(self.data))
+        )
+        return tensor
 
 
 TensorLike.register(RawTensor)
@@ -199,12 +203,22 @@ def as_buffer(frame: Any) -> Any:
     return memoryview(frame)
 
 
-def make_dec_hook(aux_holder: Any) -> Callable[[type, Any], Any]:
+class AuxFrames:
+    """The frames of the message being decoded (index 0 = main buffer), or ``None``
+    between messages: set by a codec around each decode, read by its `make_dec_hook`."""
+
+    __slots__ = ("frames",)
+
+    def __init__(self) -> None:
+        self.frames: Sequence[Any] | None = None
+
+
+def make_dec_hook(aux: AuxFrames) -> Callable[[type, Any], Any]:
     """The msgspec ``dec_hook`` of a codec: builds ndarrays and tensors.
 
-    ``aux_holder._aux_in`` is the current message's frame sequence (index 0 = main
-    buffer) or ``None``. The ndarray fast path is inlined because sample logprobs arrive
-    with every step; anything unusual takes the careful path, which names the problem.
+    ``aux.frames`` is the current message's frame sequence. The ndarray fast path is
+    inlined because sample logprobs arrive with every step; anything unusual takes the
+    careful path, which names the problem.
     """
     cache = _NUMPY_DTYPE_CACHE
     frombuffer = np.frombuffer
@@ -215,16 +229,18 @@ def make_dec_hook(aux_holder: Any) -> Callable[[type, Any], Any]:
             try:
                 dtype, shape, data = obj
                 dt = cache[dtype]
-                buf = aux_holder._aux_in[data] if type(data) is int and data > 0 else data
+                # No frames (None) raises here too, and the slow path names it.
+                frames: Any = aux.frames
+                buf = frames[data] if type(data) is int and data > 0 else data
                 # numpy checks the sizes (frombuffer: whole items; reshape: exact count,
                 # no negative dimension except a single -1, which we refuse here).
                 if type(shape) is list and -1 not in shape:
                     return frombuffer(buf, dtype=dt).reshape(shape)
             except Exception:  # the slow path names the problem
                 pass
-            return _decode_ndarray_slow(obj, aux_holder._aux_in)
+            return _decode_ndarray_slow(obj, aux.frames)
         if tp is TensorLike:
-            return decode_tensor(obj, aux_holder._aux_in)
+            return decode_tensor(obj, aux.frames)
         raise NotImplementedError(f"no decoder for {tp!r}")
 
     return dec_hook

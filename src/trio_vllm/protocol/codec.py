@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import operator
 import pickle
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeAlias
 
 import msgspec
 import numpy as np
@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
+    "BufferFrame",
     "ClientCodec",
     "EngineCodec",
     "Frame",
@@ -84,8 +85,17 @@ __all__ = [
 #: vLLM's ``VLLM_MSGPACK_ZERO_COPY_THRESHOLD``: tensors smaller than this travel inline.
 DEFAULT_INLINE_THRESHOLD: Final = 256
 
-#: A received frame: bytes-like, or an object with ``.buffer`` / the buffer protocol.
-Frame: TypeAlias = Any
+
+class BufferFrame(Protocol):
+    """A received frame that shows its bytes as ``.buffer`` (pyzmq's ``zmq.Frame``)."""
+
+    @property
+    def buffer(self) -> memoryview: ...
+
+
+#: A received frame: bytes-like, or an object with ``.buffer`` (``zmq.Frame``). Other
+#: objects with the buffer protocol are read too (the type system cannot name them).
+Frame: TypeAlias = bytes | bytearray | memoryview | BufferFrame
 #: An encoded frame: bytes, or a memoryview of an array/tensor (aux frames).
 OutgoingFrame: TypeAlias = bytes | memoryview
 #: What `EngineCodec.decode_input` returns.
@@ -180,6 +190,43 @@ def _wire_class(
     )
 
 
+def _map_class(
+    cls: type[msgspec.Struct],
+    keys: tuple[str, ...],
+    version: str,
+    *,
+    force: bool = False,
+    omit_defaults: bool = False,
+) -> type[msgspec.Struct] | None:
+    """The wire class of a map-encoded struct in a release whose keys are ``keys``;
+    ``None`` when they are the canonical class's own (and not ``force``)."""
+    if keys == _names(cls) and not force:
+        return None
+    return _wire_class(
+        cls,
+        keys,
+        name=f"{cls.__name__}_{version}",
+        array_like=False,
+        omit_defaults=omit_defaults,
+    )
+
+
+def _array_class(
+    cls: type[msgspec.Struct],
+    layout: tuple[str, ...],
+    version: str,
+    *,
+    force: bool = False,
+    overrides: dict[str, Any] | None = None,
+) -> type[msgspec.Struct] | None:
+    """The wire class of an array-encoded struct in a release whose positions are
+    ``layout``; ``None`` when the canonical class decodes it as it is (a prefix of its
+    fields: appended fields only) and not ``force``."""
+    if _is_prefix(cls, layout) and not force:
+        return None
+    return _wire_class(cls, layout, name=f"{cls.__name__}_{version}", overrides=overrides)
+
+
 def _positions(cls: type[msgspec.Struct]) -> dict[str, int]:
     return {name: i for i, name in enumerate(_names(cls))}
 
@@ -209,79 +256,44 @@ class _Layouts:
         self.lora_idx = _index_map(LoRARequest, lay["LoRARequest"])
         self.pooling_idx = _index_map(PoolingParams, lay["PoolingParams"])
         self.lp_tensors_idx = _index_map(LogprobsTensors, lay["LogprobsTensors"])
-        sampling_keys = profile.map_keys["SamplingParams"]
-        self.sampling_cls: type[msgspec.Struct] | None = None
-        if sampling_keys != _names(SamplingParams):
-            self.sampling_cls = _wire_class(
-                SamplingParams,
-                sampling_keys,
-                name=f"SamplingParams_{profile.vllm_version}",
-                array_like=False,
-                omit_defaults=True,
-            )
-        self.sampling_keys = sampling_keys
-        # Map-encoded output records: an older release has fewer keys (engine side).
+        # Map-encoded structs whose keys differ in this release get a wire class of
+        # their own (encoding; the engine side writes older stats records).
         version = profile.vllm_version
-        self.prefix_keys = profile.map_keys["PrefixCacheStats"]
-        self.prefix_cls: type[msgspec.Struct] | None = None
-        if self.prefix_keys != _names(PrefixCacheStats):
-            self.prefix_cls = _wire_class(
-                PrefixCacheStats,
-                self.prefix_keys,
-                name=f"PrefixCacheStats_{version}",
-                array_like=False,
-            )
-        self.stats_keys = profile.map_keys["SchedulerStats"]
-        self.stats_cls: type[msgspec.Struct] | None = None
-        if self.stats_keys != _names(SchedulerStats) or self.prefix_cls is not None:
-            self.stats_cls = _wire_class(
-                SchedulerStats,
-                self.stats_keys,
-                name=f"SchedulerStats_{version}",
-                array_like=False,
-            )
-        self.prefill_keys = profile.map_keys["PrefillStats"]
-        self.prefill_cls: type[msgspec.Struct] | None = None
-        if self.prefill_keys != _names(PrefillStats):
-            self.prefill_cls = _wire_class(
-                PrefillStats,
-                self.prefill_keys,
-                name=f"PrefillStats_{version}",
-                array_like=False,
-            )
+        keys = profile.map_keys
+        self.sampling_keys = keys["SamplingParams"]
+        self.sampling_cls = _map_class(
+            SamplingParams, self.sampling_keys, version, omit_defaults=True
+        )
+        self.prefix_keys = keys["PrefixCacheStats"]
+        self.prefix_cls = _map_class(PrefixCacheStats, self.prefix_keys, version)
+        self.stats_keys = keys["SchedulerStats"]
+        # A stats record holds prefix records: their wire class needs its own.
+        self.stats_cls = _map_class(
+            SchedulerStats, self.stats_keys, version, force=self.prefix_cls is not None
+        )
+        self.prefill_keys = keys["PrefillStats"]
+        self.prefill_cls = _map_class(PrefillStats, self.prefill_keys, version)
 
         # Decoding: the canonical classes read every layout that is a prefix of theirs
         # (appended fields only). Otherwise decode into generated wire classes and convert.
-        self.lora_wire: type[msgspec.Struct] | None = None
-        if not _is_prefix(LoRARequest, lay["LoRARequest"]):
-            self.lora_wire = _wire_class(
-                LoRARequest, lay["LoRARequest"], name=f"LoRARequest_{profile.vllm_version}"
-            )
-        self.request_wire: type[msgspec.Struct] | None = None
-        if self.lora_wire is not None or not _is_prefix(
-            EngineCoreRequest, lay["EngineCoreRequest"]
-        ):
-            overrides = {} if self.lora_wire is None else {"lora_request": self.lora_wire | None}
-            self.request_wire = _wire_class(
-                EngineCoreRequest,
-                lay["EngineCoreRequest"],
-                name=f"EngineCoreRequest_{profile.vllm_version}",
-                overrides=overrides,
-            )
-        self.output_wire: type[msgspec.Struct] | None = None
-        self.outputs_wire: type[msgspec.Struct] | None = None
+        self.lora_wire = _array_class(LoRARequest, lay["LoRARequest"], version)
+        self.request_wire = _array_class(
+            EngineCoreRequest,
+            lay["EngineCoreRequest"],
+            version,
+            force=self.lora_wire is not None,
+            overrides={} if self.lora_wire is None else {"lora_request": self.lora_wire | None},
+        )
         self._output_from_wire = _positional_converter(EngineCoreOutput, lay["EngineCoreOutput"])
         self._outputs_names = lay["EngineCoreOutputs"]
-        if not _is_prefix(EngineCoreOutput, lay["EngineCoreOutput"]):
-            self.output_wire = _wire_class(
-                EngineCoreOutput,
-                lay["EngineCoreOutput"],
-                name=f"EngineCoreOutput_{profile.vllm_version}",
-            )
-            self.outputs_wire = _wire_class(
+        self.output_wire = _array_class(EngineCoreOutput, lay["EngineCoreOutput"], version)
+        self.outputs_wire: type[msgspec.Struct] | None = None
+        if self.output_wire is not None:
+            self.outputs_wire = _array_class(
                 EngineCoreOutputs,
                 lay["EngineCoreOutputs"],
-                name=f"EngineCoreOutputs_{profile.vllm_version}",
+                version,
+                force=True,
                 overrides={"outputs": list[self.output_wire]},  # type: ignore[name-defined]
             )
 
@@ -506,8 +518,8 @@ class _CodecBase:
         self.allow_insecure_serialization = allow_insecure_serialization
         self.inline_threshold = inline_threshold
         self._layouts = _layouts_for(self.profile)
-        self._aux_in: Sequence[Any] | None = None
-        self._dec_hook = _tensors.make_dec_hook(self)
+        self._aux_in = _tensors.AuxFrames()
+        self._dec_hook = _tensors.make_dec_hook(self._aux_in)
         self._aux_out: list[memoryview] = _NO_AUX
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
 
@@ -626,7 +638,7 @@ class ClientCodec(_CodecBase):
         client_index: int,
         call_id: int,
         method: str,
-        args: Sequence[Any] = (),
+        args: Sequence[object] = (),
         *,
         check_arity: bool = False,
     ) -> list[OutgoingFrame]:
@@ -704,7 +716,7 @@ class ClientCodec(_CodecBase):
                 raise ProtocolError("received an empty message (no frames) on the output socket")
             else:
                 # The hook resolves aux indices into ``frames`` itself (no copy).
-                self._aux_in = frames
+                self._aux_in.frames = frames
                 main = frames[0]
                 if type(main) is not bytes:
                     main = _buf(main)
@@ -714,7 +726,7 @@ class ClientCodec(_CodecBase):
         except Exception as exc:
             raise self._fail("EngineCoreOutputs", exc) from None
         finally:
-            self._aux_in = None
+            self._aux_in.frames = None
         utility = out.utility_output
         if utility is not None and utility.result is not None:
             self._check_utility_result(utility.result)
@@ -806,8 +818,8 @@ class EngineCodec(_CodecBase):
                     f"unknown or internal request type byte {head.hex() or '(empty)'}"
                 )
             what = kind.name
-            self._aux_in = [_buf(f) for f in frames[1:]]
-            main = self._aux_in[0]
+            aux = self._aux_in.frames = [_buf(f) for f in frames[1:]]
+            main = aux[0]
             if kind is RequestType.ADD:
                 what = "ADD (EngineCoreRequest)"
                 count = _array_length(main)
@@ -829,9 +841,9 @@ class EngineCodec(_CodecBase):
         except Exception as exc:
             raise self._fail(what, exc) from None
         finally:
-            self._aux_in = None
+            self._aux_in.frames = None
 
-    def convert_lora_request(self, value: Any) -> LoRARequest:
+    def convert_lora_request(self, value: object) -> LoRARequest:
         """A decoded ``add_lora`` argument (a plain array) as a `LoRARequest`."""
         try:
             wire = msgspec.convert(value, self._lora_decoder_type)

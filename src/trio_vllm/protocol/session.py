@@ -41,7 +41,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final, Generic, Literal, TypeAlias, TypeVar
 
 import msgspec
 
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 __all__ = [
     "RAW_INTEREST_S",
     "RESERVED_CALL_IDS",
+    "Aborted",
     "Action",
     "ClientSession",
     "DeathRecord",
@@ -71,6 +72,11 @@ __all__ = [
     "ResolveCall",
     "SendWave",
 ]
+
+#: The shell's handle of a stream (what `Deliver` and `FailRequest` name), opaque here.
+S = TypeVar("S")
+#: The shell's handle of a utility call (what `ResolveCall` and `FailCall` name).
+C = TypeVar("C")
 
 # Reserved engine-initiated call ids (docs/protocol.md §6.4): never matched to calls.
 RESERVED_CALL_IDS: Final = frozenset({-1, -2})
@@ -129,16 +135,16 @@ class DeathRecord:
 # Plain slotted classes (not frozen dataclasses), made at most once per message.
 
 
-class Deliver(tuple[object, "EngineCoreOutput"]):
+class Deliver(tuple[S, "EngineCoreOutput"]):
     """``(handle, output)``: hand ``output`` to the stream ``handle`` (the shell's
     object, opaque here). The hot path, one per output: `ClientSession.receive`
-    appends plain 2-tuples of this shape (a tuple costs a tenth of an object), which
+    appends plain 2-tuples of this shape (far cheaper to make than an object), which
     the shell tells from the other actions by ``type(action) is tuple``; this class
     only names the shape (``Deliver(handle, output)`` builds one for tests)."""
 
     __slots__ = ()
 
-    def __new__(cls, handle: object, output: EngineCoreOutput) -> Deliver:
+    def __new__(cls, handle: S, output: EngineCoreOutput) -> Deliver[S]:
         return super().__new__(cls, (handle, output))
 
 
@@ -151,33 +157,33 @@ class QueueRaw:
         self.outputs = outputs
 
 
-class ResolveCall:
+class ResolveCall(Generic[C]):
     """A utility reply for the call ``handle``: ``failure`` is the engine's message."""
 
     __slots__ = ("failure", "handle", "result")
 
-    def __init__(self, handle: object, failure: str | None, result: object) -> None:
+    def __init__(self, handle: C, failure: str | None, result: object) -> None:
         self.handle = handle
         self.failure = failure
         self.result = result
 
 
-class FailCall:
+class FailCall(Generic[C]):
     """The call ``handle`` fails with ``record.error()``."""
 
     __slots__ = ("handle", "record")
 
-    def __init__(self, handle: object, record: DeathRecord) -> None:
+    def __init__(self, handle: C, record: DeathRecord) -> None:
         self.handle = handle
         self.record = record
 
 
-class FailRequest:
+class FailRequest(Generic[S]):
     """The stream ``handle`` fails with ``record.error()`` once its outputs are read."""
 
     __slots__ = ("handle", "record")
 
-    def __init__(self, handle: object, record: DeathRecord) -> None:
+    def __init__(self, handle: S, record: DeathRecord) -> None:
         self.handle = handle
         self.record = record
 
@@ -220,10 +226,27 @@ class Died:
         self.record = record
 
 
-Action = (
-    tuple[object, "EngineCoreOutput"] | QueueRaw | ResolveCall | FailCall | FailRequest
+#: One action, generic in the shell's stream (``S``) and call (``C``) handles:
+#: ``Action[RequestStream, Call]`` is what the client's ``apply`` carries out. A
+#: `Deliver` travels as a plain 2-tuple (see there).
+Action: TypeAlias = (
+    tuple[S, "EngineCoreOutput"] | QueueRaw | ResolveCall[C] | FailCall[C] | FailRequest[S]
     | EmitEvent | SendWave | RankDrained | Died
 )  # fmt: skip
+
+
+class Aborted(Generic[S, C]):
+    """What `ClientSession.abort` decided: ``by_rank`` (rank -> ids to send ABORT to),
+    ``streams`` (the handles to stop locally) and ``actions`` (a retiring rank drained)."""
+
+    __slots__ = ("actions", "by_rank", "streams")
+
+    def __init__(
+        self, by_rank: dict[int, list[str]], streams: list[S], actions: list[Action[S, C]]
+    ) -> None:
+        self.by_rank = by_rank
+        self.streams = streams
+        self.actions = actions
 
 
 class _Rank:
@@ -235,26 +258,31 @@ class _Rank:
         self.reason: str | None = None
 
 
-class _Request:
+class _Request(Generic[S]):
     __slots__ = ("counted", "handle", "rank")
 
-    def __init__(self, rank: int, handle: object | None) -> None:
+    def __init__(self, rank: int, handle: S | None) -> None:
         self.rank = rank
         self.handle = handle  # the stream; None for a raw request
         self.counted = True  # still in the balancer's in-flight count
 
 
-class _Call:
+class _Call(Generic[C]):
     __slots__ = ("handle", "method", "rank")
 
-    def __init__(self, method: str, rank: int, handle: object) -> None:
+    def __init__(self, method: str, rank: int, handle: C) -> None:
         self.method = method
         self.rank = rank
         self.handle = handle
 
 
-class ClientSession:
+class ClientSession(Generic[S, C]):
     """The state of one client over its engines; see the module documentation.
+
+    Generic in the shell's handles, opaque here: ``S`` for a stream (given to
+    `start_request`, named by `Deliver` and `FailRequest`), ``C`` for a utility call
+    (given to `start_call`, named by `ResolveCall` and `FailCall`); mypy checks that
+    the shell gets back the kind it handed in.
 
     Methods that change state return the actions to carry out, in order. Methods that
     refuse raise ``ValueError`` (a caller's mistake) or `EngineDeadError` (no
@@ -278,9 +306,9 @@ class ClientSession:
         self._balancer = LoadBalancer(initial)
         self._waves = WaveTracker(initial) if waves else None
         self.on_engine_death: Literal["fail", "continue"] = on_engine_death
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, _Request[S]] = {}
         self._raw_live = 0
-        self._calls: dict[int, _Call] = {}
+        self._calls: dict[int, _Call[C]] = {}
         # vLLM uses uuid1().int >> 64; any int but -1/-2 works. Random start, then count.
         self._call_ids = itertools.count(random.getrandbits(62) + 1)
         self._clock = clock
@@ -389,7 +417,7 @@ class ClientSession:
         self._ranks_changed()
         return [rid for rid, req in self._requests.items() if req.rank == rank and req.counted]
 
-    def finish_retire(self, rank: int) -> list[Action]:
+    def finish_retire(self, rank: int) -> list[Action[S, C]]:
         """The rank drained and is being stopped: calls still pending there fail (its
         process is gone, no reply will come) and a ``rank_retired`` event follows."""
         info = self._ranks[rank]
@@ -400,7 +428,9 @@ class ClientSession:
         record = DeathRecord(
             f"engine rank {rank} was retired (retire_rank) while the call was pending", rank
         )
-        actions: list[Action] = [FailCall(call.handle, record) for call in self._take_calls(rank)]
+        actions: list[Action[S, C]] = [
+            FailCall(call.handle, record) for call in self._take_calls(rank)
+        ]
         actions.append(EmitEvent(EngineEvent("rank_retired", rank, None)))
         return actions
 
@@ -435,15 +465,19 @@ class ClientSession:
             return DeathRecord(f"engine rank {rank} died: {info.reason}", rank)
         return DeathRecord("engine core is dead")
 
-    def close(self, message: str = "the client is closed (open_client exited)") -> list[Action]:
+    def close(
+        self, message: str = "the client is closed (open_client exited)"
+    ) -> list[Action[S, C]]:
         """The client is closing: it is dead from now on (if not already)."""
         return self._die(message, None, None)
 
-    def _die(self, message: str, rank: int | None, cause: BaseException | None) -> list[Action]:
+    def _die(
+        self, message: str, rank: int | None, cause: BaseException | None
+    ) -> list[Action[S, C]]:
         if self.death is not None:
             return []
         record = self.death = DeathRecord(message, rank, cause)
-        actions: list[Action] = [FailCall(c.handle, record) for c in self._calls.values()]
+        actions: list[Action[S, C]] = [FailCall(c.handle, record) for c in self._calls.values()]
         self._calls.clear()
         actions.extend(
             FailRequest(req.handle, record)
@@ -455,7 +489,7 @@ class ClientSession:
 
     def rank_died(
         self, rank: int | None, message: str, cause: BaseException | None = None
-    ) -> list[Action]:
+    ) -> list[Action[S, C]]:
         """One rank is gone (``None``: unknown which): the client dies (``"fail"``, as
         vLLM does), or with ``"continue"`` only that rank's requests and calls fail and
         a ``rank_lost`` event is queued; the client dies with its last rank."""
@@ -474,7 +508,7 @@ class ClientSession:
         if not self._balancer.live_ranks:
             return self._die(f"every engine is gone; the last: {message}", rank, cause)
         record = DeathRecord(f"engine rank {rank} died: {message}", rank, cause)
-        actions: list[Action] = [FailCall(c.handle, record) for c in self._take_calls(rank)]
+        actions: list[Action[S, C]] = [FailCall(c.handle, record) for c in self._take_calls(rank)]
         failed: list[str] = []
         for request_id, req in list(self._requests.items()):
             if req.rank != rank or not req.counted:
@@ -540,11 +574,11 @@ class ClientSession:
         shell drains; ``None`` when a notice could not say which (every rank's count)."""
         return None if self._noticed_from is None else frozenset(self._noticed_from)
 
-    def declare_noticed(self) -> list[Action]:
+    def declare_noticed(self) -> list[Action[S, C]]:
         """Declare every noticed death, in the order noticed."""
         noticed, self._noticed = self._noticed, []
         self._noticed_from = set()
-        actions: list[Action] = []
+        actions: list[Action[S, C]] = []
         for ranks, message, cause in noticed:
             rank = None if ranks is None or len(ranks) != 1 else ranks[0]
             actions.extend(self.rank_died(rank, message, cause))
@@ -571,7 +605,7 @@ class ClientSession:
                 "live id would kill the engine (docs/protocol.md §3.7)"
             )
 
-    def start_request(self, request_id: str, rank: int, handle: object | None = None) -> None:
+    def start_request(self, request_id: str, rank: int, handle: S | None = None) -> None:
         """Register a request about to be sent to ``rank`` (a stream if ``handle`` is
         given, else raw) and count it in the rank's load."""
         self._check_alive()
@@ -582,13 +616,13 @@ class ClientSession:
             self.raw_api_used()
         self._balancer.started(rank)
 
-    def request_sent(self, rank: int) -> list[Action]:
+    def request_sent(self, rank: int) -> list[Action[S, C]]:
         """The ADD went out: wake idle ranks for a DP wave if needed (§7.4)."""
         if self._waves is None:
             return []
         return self._wave(self._waves.on_add(rank))
 
-    def end_request(self, request_id: str) -> list[Action]:
+    def end_request(self, request_id: str) -> list[Action[S, C]]:
         """Forget a request (send failed, stream block left): counted out if it was not
         already. Idempotent."""
         req = self._requests.pop(request_id, None)
@@ -598,11 +632,9 @@ class ClientSession:
             self._raw_live -= 1
         return self._release(req)
 
-    def abort(
-        self, request_ids: Iterable[str], rank: int | None = None
-    ) -> tuple[dict[int, list[str]], list[object], list[Action]]:
-        """Finish requests locally; return (rank -> ids to send ABORT to, the stream
-        handles to stop, actions: a retiring rank drained). Ids not running here
+    def abort(self, request_ids: Iterable[str], rank: int | None = None) -> Aborted[S, C]:
+        """Finish requests locally; return what to do (`Aborted`: rank -> ids to send
+        ABORT to, the stream handles to stop, a retiring rank drained). Ids not running here
                 (unknown, finished) go to ``rank`` or to every live rank (aborting is
         idempotent). Streams stay registered until their block is left but get no more
         outputs.
@@ -617,8 +649,8 @@ class ClientSession:
         if any(not self.is_counted(i) for i in ids):
             targets = self.live_ranks if rank is None else [self.choose_rank(rank)]
         by_rank: dict[int, list[str]] = {}
-        handles: list[object] = []
-        actions: list[Action] = []
+        handles: list[S] = []
+        actions: list[Action[S, C]] = []
         for request_id in ids:
             req = requests.get(request_id)
             if req is None or not req.counted:
@@ -632,7 +664,7 @@ class ClientSession:
                 handles.append(req.handle)
             actions.extend(self._release(req))
             by_rank.setdefault(req.rank, []).append(request_id)
-        return by_rank, handles, actions
+        return Aborted(by_rank, handles, actions)
 
     def is_counted(self, request_id: str) -> bool:
         """Whether the request still waits for outputs (not finished, aborted or failed)."""
@@ -645,7 +677,7 @@ class ClientSession:
         until finished or aborted)."""
         return list(self._requests)
 
-    def _release(self, req: _Request) -> list[Action]:
+    def _release(self, req: _Request[S]) -> list[Action[S, C]]:
         # Each request leaves the in-flight count exactly once.
         if not req.counted:
             return []
@@ -680,7 +712,7 @@ class ClientSession:
 
     # ------------------------------------------------------------------ utility calls
 
-    def start_call(self, method: str, rank: int, handle: object) -> int:
+    def start_call(self, method: str, rank: int, handle: C) -> int:
         """Register a utility call to ``rank``; returns its call id (never -1 or -2)."""
         self._check_alive()
         if not method:
@@ -697,13 +729,13 @@ class ClientSession:
     def pending_calls(self) -> int:
         return len(self._calls)
 
-    def _take_calls(self, rank: int) -> list[_Call]:
+    def _take_calls(self, rank: int) -> list[_Call[C]]:
         taken = [cid for cid, call in self._calls.items() if call.rank == rank]
         return [self._calls.pop(cid) for cid in taken]
 
     # ------------------------------------------------------------------ routing
 
-    def _wave(self, start: StartWave | None) -> list[Action]:
+    def _wave(self, start: StartWave | None) -> list[Action[S, C]]:
         if start is None:
             return []
         lost = [r for r in start.ranks if self.state(r) is RankState.LOST]
@@ -712,7 +744,7 @@ class ClientSession:
             start = StartWave(start.wave, start.exclude, ranks)
         return [SendWave(start)]
 
-    def receive(self, outputs: EngineCoreOutputs | None) -> list[Action]:
+    def receive(self, outputs: EngineCoreOutputs | None) -> list[Action[S, C]]:
         """Route one decoded output message (``None``: ENGINE_CORE_DEAD).
 
         Raises `ProtocolError` for an ``engine_index`` this client never knew
@@ -734,7 +766,7 @@ class ClientSession:
             )
         if not info.served or info.state is RankState.LOST:
             return []  # a failed join's or a lost rank's late words
-        actions: list[Action] = []
+        actions: list[Action[S, C]] = []
         stats = outputs.scheduler_stats
         if stats is not None:
             self._balancer.update_stats(index, stats.num_waiting_reqs, stats.num_running_reqs)

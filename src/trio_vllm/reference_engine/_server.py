@@ -103,7 +103,7 @@ class EngineServer:
         return self.scheduler.has_unfinished() or bool(self.firehose.requests)
 
     def run_dummy_batch(self) -> None:
-        if self.utilities.is_sleeping() and "weights" in self.utilities._sleeping_tags:
+        if self.utilities.weights_asleep():
             return
         self.model.next_token_logits([Sequence([0], 1)])
 

@@ -216,6 +216,10 @@ class Utilities:
     def is_sleeping(self) -> bool:
         return bool(self._sleeping_tags)
 
+    def weights_asleep(self) -> bool:
+        """Whether the model's weights are offloaded (``sleep`` at level 1 or 2)."""
+        return "weights" in self._sleeping_tags
+
     def release_kv_cache_memory(self) -> None:
         sched = self._server.scheduler
         if sched.pause_state is PauseState.UNPAUSED or sched.has_unfinished():

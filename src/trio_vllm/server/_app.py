@@ -342,7 +342,8 @@ class OpenAIServer:
         outcome = _Outcome()
         try:
             if sniffio.current_async_library() == "trio":
-                # trio's own nursery: anyio's task group costs ~40 us more a request.
+                # trio's own nursery: anyio's task group costs more per request
+                # (docs/performance.md, figures from source comments).
                 import trio
 
                 async with trio.open_nursery() as nursery:

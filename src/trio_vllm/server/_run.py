@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from anyio.abc import TaskStatus
 
-    from ..client import EngineSource
+    from ..client import ClientOptions, EngineSource
     from ._frontend import TextFrontend
 
 __all__ = ["run_openai_server"]
@@ -43,7 +43,7 @@ async def run_openai_server(
     access_log: bool = False,
     generation_config: str | os.PathLike[str] = "auto",
     override_generation_config: Mapping[str, object] | None = None,
-    client_options: Mapping[str, Any] | None = None,
+    client_options: ClientOptions | None = None,
     stop: anyio.Event | None = None,
     task_status: TaskStatus[OpenAIServer] = anyio.TASK_STATUS_IGNORED,
 ) -> int:
@@ -58,7 +58,8 @@ async def run_openai_server(
     to stop. ``task_status.started(app)`` hands out the app once it listens
     (``app.port`` is the bound port). ``generation_config`` and
     ``override_generation_config`` are `open_llm`'s (vLLM's ``--generation-config`` and
-    ``--override-generation-config``); ``merge_outputs`` is `OpenAIServer`'s. With
+    ``--override-generation-config``), ``client_options`` its `ClientOptions`;
+    ``merge_outputs`` is `OpenAIServer`'s. With
     ``freeze_gc`` the startup heap (imports, tokenizer, engines' handshake) is collected
     once and frozen (``gc.freeze()``) when the server listens, as ``vllm serve`` does:
     the collector then never walks it again while serving. The process keeps it frozen
@@ -105,7 +106,7 @@ async def run_openai_server(
             served_model_name=served_model_names[0] if served_model_names else None,
             generation_config=generation_config,
             override_generation_config=override_generation_config,
-            **dict(client_options or {}),
+            **(client_options or {}),
         ) as llm:
             frontend: TextFrontend = llm
             app = OpenAIServer(

@@ -245,7 +245,8 @@ class FastIncrementalDetokenizer(_TextDetokenizer):
         if not self.spaces_between_special_tokens:
             super()._decode_tokens(new_token_ids, offsets)
             return
-        # The common case inlined (same result as decode_next per token, fewer calls).
+        # The common case (plain spacing) inlined: the same result as decode_next per
+        # token, fewer calls; the base class's update calls this once per step.
         append = self.token_ids.append
         backend = self._backend
         step = self._step
@@ -264,58 +265,6 @@ class FastIncrementalDetokenizer(_TextDetokenizer):
                     offsets.append(len(text))
         finally:  # an error from the tokenizer must not lose the text
             self._text = text
-
-    def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> str | None:
-        if not self.spaces_between_special_tokens or not new_token_ids:
-            return super().update(new_token_ids, stop_terminated)
-        # Plain spacing (the common case): the base class's update with the DecodeStream
-        # loop inlined, fewer calls per token.
-        skipped: int | None = None
-        if stop_terminated and not self.include_stop_str_in_output:
-            skipped = new_token_ids[-1]
-            new_token_ids = new_token_ids[:-1]
-        token_ids = self.token_ids
-        first_new_token_index = len(token_ids)  # no prompt ids in token_ids on this path
-        append = token_ids.append
-        backend = self._backend
-        step = self._step
-        text, self._text = self._text, ""
-        if not self.stop:
-            try:
-                for token_id in new_token_ids:
-                    append(token_id)
-                    try:
-                        piece = step(backend, token_id)
-                    except Exception as exc:
-                        piece = self._recover(token_id, exc)
-                        step = self._step
-                    if piece:
-                        text += piece
-            finally:  # an error from the tokenizer must not lose the text
-                self._text = text
-            if skipped is not None:
-                append(skipped)
-            return None
-        offsets = [len(text)]
-        try:
-            for token_id in new_token_ids:
-                append(token_id)
-                try:
-                    piece = step(backend, token_id)
-                except Exception as exc:
-                    piece = self._recover(token_id, exc)
-                    step = self._step
-                if piece:
-                    text += piece
-                offsets.append(len(text))
-        finally:
-            self._text = text
-        if skipped is not None:
-            append(skipped)
-            offsets.append(len(text))
-        if len(token_ids) <= self.min_tokens:
-            return None
-        return self._check_stop(offsets, first_new_token_index, first_new_token_index)
 
     def _recover(self, next_token_id: int, exc: Exception) -> str | None:
         if isinstance(exc, (OverflowError, TypeError)):
@@ -360,12 +309,7 @@ class SlowIncrementalDetokenizer(_TextDetokenizer):
             tokenizer, prompt_token_ids, self.skip_special_tokens
         )
         self.token_ids.extend(prompt_token_ids)
-        hf = tokenizer._hf
-        self._plain_join = (
-            tokenizer.is_fast
-            or bool(getattr(hf, "is_fast", False))
-            or not (hf.get_added_vocab() if hf is not None else None)
-        )
+        self._plain_join = tokenizer.joins_pieces_plainly
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -410,8 +354,7 @@ class SlowIncrementalDetokenizer(_TextDetokenizer):
     def _join_with_added(self, output_tokens: list[str]) -> str:
         # vLLM's _convert_tokens_to_string_with_added_encoders (slow tokenizers only).
         tok = self.tokenizer
-        hf = tok._hf
-        added = set(hf.get_added_vocab())
+        added = set(tok.added_vocab())
         special = set(tok.all_special_tokens) if self.skip_special_tokens else set()
         sub_texts: list[str] = []
         current: list[str] = []

@@ -257,8 +257,8 @@ class InputProcessor:
         else:
             self._verify(params)
             if params.skip_clone:
-                # vLLM's clone() with skip_clone: shallow (a deep copy is ~50 us, most of
-                # this method); the set updated below in place is the copy's own.
+                # vLLM's clone() with skip_clone: shallow (a deep copy was most of this
+                # method's time); the set updated below in place is the copy's own.
                 p = copy.copy(params)
                 p._all_stop_token_ids = set(params._all_stop_token_ids)
             else:

@@ -416,6 +416,20 @@ class Tokenizer:
         decoder = self.backend.decoder
         return decoder.decode(list(tokens)) if decoder is not None else " ".join(tokens)
 
+    def added_vocab(self) -> dict[str, int]:
+        """The tokens added to the base vocabulary, piece -> id (``{}`` when a
+        ``tokenizers.Tokenizer`` backs this: its pieces join without special handling)."""
+        if self.backend is not None:
+            return {}
+        return dict(self._hf.get_added_vocab())
+
+    @property
+    def joins_pieces_plainly(self) -> bool:
+        """Whether `convert_tokens_to_string` of any run of pieces is the text: a fast
+        tokenizer, or a slow one without added tokens (otherwise vLLM decodes the added
+        tokens apart, ``_convert_tokens_to_string_with_added_encoders``)."""
+        return self.is_fast or bool(getattr(self._hf, "is_fast", False)) or not self.added_vocab()
+
     def decode_tokens_individually(self, ids: Sequence[int]) -> list[str]:
         """Each id decoded on its own, as vLLM's ``convert_ids_list_to_tokens`` does for
         logprobs: ``decode([id])``, with the leading spaces a Metaspace decoder strips

@@ -26,27 +26,23 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import threading
-import weakref
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, final
+from typing import TYPE_CHECKING, Any, Final, TypeVar, Unpack, final
 
 import anyio
 import anyio.from_thread
 
-from ._exceptions import EngineDeadError
-from ._portal import BlockingStream, call_in_loop, close_streams
-from ._public import publish
-from .client import open_client
-from .client._startup import DEFAULT_SHUTDOWN_GRACE
-from .client._utilities import NamedUtilities
+from .._exceptions import EngineDeadError
+from ..client import open_client
+from ..client._utilities import NamedUtilities
+from ._loop import BlockingStream, LoopThread
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
     from types import TracebackType
 
-    from .client import EngineCoreClient, EngineEvent, EngineSource, RequestStream, StartupProgress
-    from .client._utilities import NamedUtility
-    from .protocol import (
+    from ..client import ClientOptions, EngineCoreClient, EngineEvent, EngineSource, RequestStream
+    from ..client._utilities import NamedUtility
+    from ..protocol import (
         EngineCoreOutput,
         EngineCoreOutputs,
         EngineCoreRequest,
@@ -65,7 +61,7 @@ _MAX_BATCH: Final = 1024
 async def _next_batch(stream: RequestStream) -> list[EngineCoreOutput]:
     """The next output (waiting for it) and every output already buffered after it, in
     order; ``[]`` after the last one. One portal round trip then serves a whole batch
-    (a round trip costs ~200 us of CPU; an output taken here ~1 us).
+    (a round trip costs two orders of magnitude more CPU than an output taken here).
 
     Cancelled while waiting: nothing consumed. An end or an ``EngineDeadError`` behind
     buffered outputs is left for the next call (the stream raises it again then).
@@ -75,16 +71,11 @@ async def _next_batch(stream: RequestStream) -> list[EngineCoreOutput]:
     except StopAsyncIteration:
         return []
     # The loop never awaits, so it holds the event loop: bounded by the stream's buffer
-    # and by _MAX_BATCH (~0.3 ms), in line with the streams' yield interval.
+    # and by _MAX_BATCH, sized to stay in line with the streams' yield interval.
     with contextlib.suppress(anyio.WouldBlock, anyio.EndOfStream, EngineDeadError):
         while len(batch) < _MAX_BATCH:
             batch.append(stream.receive_nowait())
     return batch
-
-
-def _stop_portal(portal: anyio.from_thread.BlockingPortal) -> None:
-    with contextlib.suppress(RuntimeError):  # already stopped
-        portal.call(portal.stop, True)
 
 
 @final
@@ -104,12 +95,12 @@ class SyncRequestStream(BlockingStream):
 
     def __init__(
         self,
-        owner: SyncClient,
+        loop: LoopThread[EngineCoreClient],
         context: contextlib.AbstractContextManager[RequestStream],
         stream: RequestStream,
     ) -> None:
-        super().__init__(owner, context)
-        self._owner: SyncClient = owner
+        super().__init__(loop, context)
+        self._calls = loop
         self._stream = stream
         # Outputs fetched in one portal round trip and not handed out yet; only the
         # iterating thread touches it.
@@ -153,7 +144,7 @@ class SyncRequestStream(BlockingStream):
             raise StopIteration
         if not self._batch:
             try:
-                self._batch.extend(self._owner._call(_next_batch, self._stream))
+                self._batch.extend(self._calls.call(_next_batch, self._stream))
             except BaseException as exc:
                 self._finish(exc)
                 raise
@@ -201,19 +192,19 @@ class SyncEngineEvents:
     channel, blocking. Iteration ends once the client is closed or dead and nothing is
     queued."""
 
-    def __init__(self, owner: SyncClient) -> None:
-        self._owner = owner
+    def __init__(self, loop: LoopThread[EngineCoreClient]) -> None:
+        self._loop = loop
 
     def receive(self, timeout: float | None = None) -> EngineEvent:
         """Block until the next event; ``TimeoutError`` after ``timeout`` seconds
         (nothing consumed), ``anyio.EndOfStream`` once closed and empty."""
-        events = self._owner.async_client.engine_events
+        events = self._loop.value.engine_events
 
         async def receive() -> EngineEvent:
             with anyio.fail_after(timeout):
                 return await events.receive()
 
-        return self._owner._call(receive)
+        return self._loop.call(receive)
 
     def __iter__(self) -> Iterator[EngineEvent]:
         while True:
@@ -231,17 +222,8 @@ class SyncClient(NamedUtilities):
         engines: an engine source (``ReferenceEngines``, ``VllmEngines``,
             ``ExternalEngines``) or a list of them.
         backend: the event loop the thread runs, ``"trio"`` (default) or ``"asyncio"``.
-        ready_timeout: as for `open_client`, like the
-            following keywords.
-        profile: the protocol profile, pinned.
-        allow_insecure_serialization: accept pickle payloads from engines.
-        shutdown_grace: seconds between SIGTERM and SIGKILL for spawned engines.
-        stream_buffer: default per-stream buffer before coalescing.
-        on_progress: called on every startup step, in the background thread.
-        on_engine_death: ``"fail"`` or ``"continue"``.
-        waves: play the DP coordinator's wave role.
-        vocab_size: the model's vocabulary size: requests holding an id at or above
-            it are refused before they are sent.
+        **options: the `ClientOptions`, as for `open_client` (``on_progress`` is
+            called in the background thread).
 
     Use it as a context manager; ``__enter__`` starts the thread and waits until the
     engines are ready (raising `EngineStartupError` like
@@ -257,62 +239,16 @@ class SyncClient(NamedUtilities):
         engines: EngineSource | Sequence[EngineSource],
         *,
         backend: str = "trio",
-        ready_timeout: float | None = None,
-        profile: ProtocolProfile | str | None = None,
-        allow_insecure_serialization: bool = False,
-        shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
-        stream_buffer: int = 64,
-        on_progress: Callable[[StartupProgress], None] | None = None,
-        on_engine_death: Literal["fail", "continue"] = "fail",
-        waves: bool = False,
-        vocab_size: int | None = None,
+        **options: Unpack[ClientOptions],
     ) -> None:
-        self._open = functools.partial(
-            open_client,
-            engines,
-            ready_timeout=ready_timeout,
-            profile=profile,
-            allow_insecure_serialization=allow_insecure_serialization,
-            shutdown_grace=shutdown_grace,
-            stream_buffer=stream_buffer,
-            on_progress=on_progress,
-            on_engine_death=on_engine_death,
-            waves=waves,
-            vocab_size=vocab_size,
-        )
-        self._backend = backend
-        self._exit_stack: contextlib.ExitStack | None = None
-        self._portal: anyio.from_thread.BlockingPortal | None = None
-        self._client: EngineCoreClient | None = None
-        self._loop_thread_id: int | None = None
-        self._streams: weakref.WeakSet[BlockingStream] = weakref.WeakSet()
-        self._close_lock = threading.Lock()
-        self._used = False
-        self._events = SyncEngineEvents(self)
+        self._open = functools.partial(open_client, engines, **options)
+        self._loop: LoopThread[EngineCoreClient] = LoopThread("SyncClient", backend, _itself)
+        self._events = SyncEngineEvents(self._loop)
 
     # ------------------------------------------------------------------ lifecycle
 
     def __enter__(self) -> SyncClient:
-        if self._used:
-            raise RuntimeError("a SyncClient can be entered only once")
-        self._used = True
-        stack = contextlib.ExitStack()
-        try:
-            portal = stack.enter_context(
-                anyio.from_thread.start_blocking_portal(self._backend, name="trio-vllm-sync")
-            )
-            self._loop_thread_id = portal.call(threading.get_ident)
-            # Runs after open_client exited (or failed to start), before the portal's own
-            # exit: cancels whatever portal task is left, e.g. a startup or a generate()
-            # whose caller was interrupted, so that joining the thread cannot hang.
-            stack.callback(_stop_portal, portal)
-            client = stack.enter_context(portal.wrap_async_context_manager(self._open()))
-        except BaseException:
-            stack.close()
-            raise
-        self._exit_stack = stack
-        self._portal = portal
-        self._client = client
+        self._loop.enter(self._open)
         return self
 
     def __exit__(
@@ -326,62 +262,23 @@ class SyncClient(NamedUtilities):
     def close(self) -> None:
         """Close open streams (aborting their requests), exit ``open_client`` (engines
         stopped), and join the background thread. Idempotent; blocks until done."""
-        if threading.get_ident() == self._loop_thread_id:
-            raise RuntimeError("a SyncClient cannot be closed from its own event loop")
-        with self._close_lock:
-            stack, self._exit_stack = self._exit_stack, None
-            if stack is None:
-                return
-            try:
-                close_streams(self._streams)
-            finally:
-                self._portal = None
-                stack.close()
+        self._loop.close()
 
     @property
     def portal(self) -> anyio.from_thread.BlockingPortal:
         """The portal into the client's event loop (for running your own async code)."""
-        if self._portal is None:
-            raise RuntimeError("the SyncClient is not open")
-        return self._portal
+        return self._loop.portal
 
     @property
     def async_client(self) -> EngineCoreClient:
         """The `EngineCoreClient`; use it only through `portal`."""
-        if self._client is None:
-            raise RuntimeError("the SyncClient is not open")
-        return self._client
+        return self._loop.value
 
     def _call(self, func: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         """Run ``func(*args)`` in the loop thread and wait; cancel it if we are interrupted."""
-        portal = self._portal
-        if portal is None:
-            raise self._closed_error()
         if kwargs:
             func = functools.partial(func, **kwargs)
-        return call_in_loop(
-            portal,
-            func,
-            args,
-            loop_thread_id=self._loop_thread_id,
-            owner="SyncClient",
-            closed_error=self._closed_error,
-            dead_error=self._dead_error,
-        )
-
-    def _dead_error(self) -> Exception | None:
-        if self._client is not None and self._client.dead:
-            return self._closed_error()
-        return None
-
-    def _streams_need_closing(self) -> bool:
-        return self._portal is not None
-
-    def _closed_error(self) -> Exception:
-        dead = None if self._client is None else self._client.dead_error()
-        if dead is not None:
-            return dead  # closed after it was open: what every call raises from then on
-        return RuntimeError("the SyncClient is not open (use it as a context manager)")
+        return self._loop.call(func, *args)
 
     def _get(self, read: Callable[[EngineCoreClient], T]) -> T:
         client = self.async_client
@@ -457,7 +354,7 @@ class SyncClient(NamedUtilities):
     @property
     def dead(self) -> bool:
         """True once an engine died or the client closed (no portal call needed)."""
-        return self._client is None or self._portal is None or self._client.dead
+        return self._loop.dead
 
     @property
     def live_requests(self) -> list[str]:
@@ -498,10 +395,10 @@ class SyncClient(NamedUtilities):
         Closing the returned stream early aborts the request.
         """
         client = self.async_client
-        context = self.portal.wrap_async_context_manager(
+        context, stream = self._loop.open_stream(
             client.generate(request, rank=rank, max_pending=max_pending)
         )
-        return SyncRequestStream(self, context, context.__enter__())
+        return SyncRequestStream(self._loop, context, stream)
 
     # ------------------------------------------------------------------ utilities
 
@@ -526,11 +423,13 @@ class SyncClient(NamedUtilities):
             return_exceptions=return_exceptions,
         )
 
-    def _named_utility(self, spec: NamedUtility[..., T], args: list[object]) -> T:
+    def run_named_utility(self, spec: NamedUtility[..., T], args: list[object]) -> T:
+        """The blocking `EngineCoreClient.run_named_utility`: what every named utility
+        method (``sleep``, ``profile``, ...) calls."""
         client = self.async_client
 
         async def run() -> T:
-            return await client._named_utility(spec, args)
+            return await client.run_named_utility(spec, args)
 
         return self._call(run)
 
@@ -545,4 +444,5 @@ class SyncClient(NamedUtilities):
         return self._call(self.async_client.add_engines, source, ready_timeout=ready_timeout)
 
 
-publish("trio_vllm", globals(), __all__)
+def _itself(client: EngineCoreClient) -> EngineCoreClient:
+    return client

@@ -1,7 +1,7 @@
 """The blocking twin of `LLM`: text generation without an event loop.
 
 `SyncLLM` runs the engine-core client and the async frontend in one background
-thread (a `SyncClient`'s event loop) and exposes blocking calls::
+thread (a `LoopThread`, as `SyncClient` does) and exposes blocking calls::
 
     with trio_vllm.SyncLLM(trio_vllm.ReferenceEngines()) as llm:
         print(llm.generate_final("hello", trio_vllm.SamplingParams(max_tokens=8)))
@@ -19,30 +19,24 @@ in the loop, so it leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
-import functools
-import threading
-import weakref
-from typing import TYPE_CHECKING, Any, TypeVar, final
+from typing import TYPE_CHECKING, Unpack, final
 
-from .._portal import BlockingStream, call_in_loop, close_streams
-from ..sync import SyncClient
-from ._llm import LLM, _engines_model
+from ..llm._llm import LLM, _engines_model, final_only
+from ._loop import BlockingStream, LoopThread
 
 if TYPE_CHECKING:
     import os
-    from collections.abc import Awaitable, Callable, Mapping, Sequence
+    from collections.abc import AsyncIterator, Mapping, Sequence
     from types import TracebackType
 
     import anyio.from_thread
 
-    from ..client import EngineSource
+    from ..client import ClientOptions, EngineCoreClient, EngineSource
+    from ..llm._stream import RequestOutputStream
     from ..protocol import SamplingParams
-    from ..text import ChatMessage, Prompt, RequestOutput, Tokenizer
-    from ._stream import RequestOutputStream
+    from ..text import ChatMessage, ModelFiles, Prompt, RequestOutput, Tokenizer
 
 __all__ = ["SyncLLM", "SyncRequestOutputStream"]
-
-T = TypeVar("T")
 
 
 async def _next(stream: RequestOutputStream) -> RequestOutput | None:
@@ -61,9 +55,14 @@ class SyncRequestOutputStream(BlockingStream):
     before (``close()``, ``with``, dropping it) aborts every unfinished child request.
     """
 
-    def __init__(self, owner: SyncLLM, context: Any, stream: RequestOutputStream) -> None:
-        super().__init__(owner, context)
-        self._owner: SyncLLM = owner
+    def __init__(
+        self,
+        loop: LoopThread[LLM],
+        context: contextlib.AbstractContextManager[RequestOutputStream],
+        stream: RequestOutputStream,
+    ) -> None:
+        super().__init__(loop, context)
+        self._calls = loop
         self._stream = stream
 
     def __repr__(self) -> str:
@@ -85,7 +84,7 @@ class SyncRequestOutputStream(BlockingStream):
         if self._closed:
             raise StopIteration
         try:
-            output = self._owner._call(_next, self._stream)
+            output = self._calls.call(_next, self._stream)
         except BaseException:
             self.close()
             raise
@@ -114,7 +113,7 @@ class SyncLLM:
         generation_config: where the sampling defaults come from, as for `open_llm`.
         override_generation_config: overrides of those defaults, as for `open_llm`.
         backend: the event loop of the thread, ``"trio"`` (default) or ``"asyncio"``.
-        **client_options: `open_client`'s keywords.
+        **options: the `ClientOptions`, as for `open_client`.
 
     ``__enter__`` loads the tokenizer, starts the engines and waits until they are ready
     (raising as ``open_llm`` does); ``__exit__`` (or `close`) closes open streams,
@@ -131,53 +130,32 @@ class SyncLLM:
         generation_config: str | os.PathLike[str] = "auto",
         override_generation_config: Mapping[str, object] | None = None,
         backend: str = "trio",
-        **client_options: Any,
+        **options: Unpack[ClientOptions],
     ) -> None:
         self._engines = engines
         self._generation_config = generation_config
         self._override_generation_config = override_generation_config
         self._model = model if model is not None else _engines_model(engines)
         self._served_model_name = served_model_name
-        self._backend = backend
-        self._options = client_options
-        self._client: SyncClient | None = None
-        self._llm: LLM | None = None
-        self._loop_thread_id: int | None = None
-        self._streams: weakref.WeakSet[BlockingStream] = weakref.WeakSet()
-        self._used = False
+        self._options = options
+        self._loop: LoopThread[LLM] = LoopThread("SyncLLM", backend, _client_of)
 
     def __enter__(self) -> SyncLLM:
+        self._loop.enter(self._open_llm)
+        return self
+
+    def _open_llm(self) -> contextlib.AbstractAsyncContextManager[LLM]:
         from ..text import ModelFiles
 
-        if self._used:
-            raise RuntimeError("a SyncLLM can be entered only once")
-        self._used = True
         files = ModelFiles(  # before any engine starts: a bad dir fails fast
             self._model,
             generation_config=self._generation_config,
             override_generation_config=self._override_generation_config,
         )
         tokenizer = files.load_tokenizer()
-        client = SyncClient(self._engines, backend=self._backend, **self._options)
-        client.__enter__()
-        try:
-            self._loop_thread_id = client.portal.call(threading.get_ident)
-            # Built in the loop thread, which owns the client it reads.
-            self._llm = client.portal.call(
-                functools.partial(
-                    LLM,
-                    client.async_client,
-                    model=self._model,
-                    served_model_name=self._served_model_name,
-                    files=files,
-                    tokenizer=tokenizer,
-                )
-            )
-        except BaseException:
-            client.close()
-            raise
-        self._client = client
-        return self
+        return _llm_over_client(
+            self._engines, self._options, self._model, self._served_model_name, files, tokenizer
+        )
 
     def __exit__(
         self,
@@ -190,28 +168,20 @@ class SyncLLM:
     def close(self) -> None:
         """Close open streams (aborting their requests), stop the engines, join the
         thread. Idempotent."""
-        client = self._client
-        if client is None:
-            return
-        try:
-            close_streams(self._streams)
-        finally:
-            self._client = None
-            client.close()
+        self._loop.close()
 
     @property
     def llm(self) -> LLM:
-        """The async `LLM`; use it only in the loop thread (`portal`)."""
-        if self._llm is None or self._client is None:
+        """The async `LLM`; use it only in the loop thread (`portal`). ``RuntimeError``
+        while the ``SyncLLM`` is not open."""
+        if not self._loop.is_open:
             raise RuntimeError("the SyncLLM is not open (use it as a context manager)")
-        return self._llm
+        return self._loop.value
 
     @property
     def portal(self) -> anyio.from_thread.BlockingPortal:
         """The portal into the background event loop."""
-        if self._client is None:
-            raise RuntimeError("the SyncLLM is not open (use it as a context manager)")
-        return self._client.portal
+        return self._loop.portal
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -229,27 +199,11 @@ class SyncLLM:
     def dead(self) -> bool:
         return self.llm.dead
 
-    def _call(self, func: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """Run ``func(*args)`` in the loop thread; cancel it there if we are interrupted."""
-        llm = self.llm
-        return call_in_loop(
-            self.portal,
-            func,
-            args,
-            loop_thread_id=self._loop_thread_id,
-            owner="SyncLLM",
-            closed_error=lambda: llm.client.dead_error() or RuntimeError("the SyncLLM is closed"),
-            dead_error=llm.client.dead_error,
-        )
-
-    def _streams_need_closing(self) -> bool:
-        return self._client is not None
-
     def _open(
         self, context: contextlib.AbstractAsyncContextManager[RequestOutputStream]
     ) -> SyncRequestOutputStream:
-        wrapped = self.portal.wrap_async_context_manager(context)
-        return SyncRequestOutputStream(self, wrapped, wrapped.__enter__())
+        wrapped, stream = self._loop.open_stream(context)
+        return SyncRequestOutputStream(self._loop, wrapped, stream)
 
     def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
@@ -262,8 +216,10 @@ class SyncLLM:
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
     ) -> RequestOutput:
         """Generate to the end; the final output with all ``n`` completions."""
-        context = self.llm.generate(prompt, self.llm._final_only(params), request_id=request_id)
-        return self._call(_run_final, context)
+        context = self.llm.generate(
+            prompt, final_only(self.llm.sampling_defaults, params), request_id=request_id
+        )
+        return self._loop.call(_run_final, context)
 
     def chat(
         self,
@@ -300,13 +256,13 @@ class SyncLLM:
         """A reply to a conversation, final (as `generate_final`)."""
         context = self.llm.chat(
             messages,
-            self.llm._final_only(params),
+            final_only(self.llm.sampling_defaults, params),
             request_id=request_id,
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
         )
-        return self._call(_run_final, context)
+        return self._loop.call(_run_final, context)
 
     def render_chat(
         self,
@@ -326,7 +282,7 @@ class SyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Abort every request in flight under ``request_id`` (see ``LLM.abort``)."""
-        self._call(self.llm.abort, request_id)
+        self._loop.call(self.llm.abort, request_id)
 
 
 async def _run_final(
@@ -337,3 +293,30 @@ async def _run_final(
     if last is None:  # pragma: no cover - the text layer always finishes a request
         raise RuntimeError(f"request {stream.request_id!r} produced no output")
     return last
+
+
+def _client_of(llm: LLM) -> EngineCoreClient:
+    return llm.client
+
+
+@contextlib.asynccontextmanager
+async def _llm_over_client(
+    engines: EngineSource,
+    options: ClientOptions,
+    model: str | os.PathLike[str],
+    served_model_name: str | None,
+    files: ModelFiles,
+    tokenizer: Tokenizer,
+) -> AsyncIterator[LLM]:
+    """`open_client`, and the `LLM` over it built in the loop thread (which owns the
+    client it reads), with the tokenizer the calling thread loaded."""
+    from ..client import open_client
+
+    async with open_client(engines, **options) as client:
+        yield LLM(
+            client,
+            model=model,
+            served_model_name=served_model_name,
+            files=files,
+            tokenizer=tokenizer,
+        )
