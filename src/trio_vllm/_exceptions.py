@@ -83,5 +83,13 @@ class InvalidRequestError(TrioVllmError, ValueError):
     Bad sampling parameters, a prompt that does not fit (the message then says
     "maximum context length"), a token id outside the vocabulary, a malformed chat
     message, a value msgpack cannot encode. The message says what was wrong; the
-    server answers it with HTTP 400.
+    server answers it with HTTP 400. The raw client raises it too, for a request a
+    stock engine could die on. ``param`` is the parameter vLLM names in its error (the
+    HTTP 400's ``param``; ``None`` where vLLM names none), ``field`` the field at fault
+    when a request rule (``trio_vllm.protocol.rules``) refused it.
     """
+
+    def __init__(self, message: str, *, param: str | None = None, field: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.field = field

@@ -170,7 +170,7 @@ async def test_invalid_request_is_refused_before_sending() -> None:
             await client.add_request(request)
         assert client.live_requests == []
         too_long = make_request(list(range(1, 2100)), max_tokens=1)
-        with pytest.raises(ValueError, match="max_model_len"):
+        with pytest.raises(ValueError, match="maximum context length is 2048"):
             async with client.generate(too_long):
                 pytest.fail("must not start")
         assert await client.call_utility("get_supported_tasks")

@@ -233,7 +233,7 @@ def test_max_tokens_default_from_context() -> None:
     assert req.sampling_params.max_tokens == 7
     with pytest.raises(ValueError, match="max_tokens is None"):
         make_request([1], max_tokens=None)
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="maximum model length of 10"):
         make_request([1] * 10, max_model_len=10)
     with pytest.raises(ValueError, match="empty"):
         make_request([])

@@ -181,9 +181,9 @@ def test_bad_requests_refused(request_: EngineCoreRequest, match: str) -> None:
 def test_engine_limits() -> None:
     req = _gen(logprobs=30)
     validate_request(req)
-    with pytest.raises(ValueError, match="max_logprobs"):
+    with pytest.raises(ValueError, match="greater than max allowed: 20"):
         validate_request(req, max_logprobs=20)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match="maximum model length of 3"):
         validate_request(_gen(), max_model_len=3)  # generation needs len < max_model_len
     pooled = EngineCoreRequest(
         "p", prompt_token_ids=[1, 2, 3], pooling_params=PoolingParams(task="embed")

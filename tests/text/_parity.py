@@ -431,6 +431,35 @@ def inputs_case() -> dict[str, Any]:
         {"prompt": {"prompt_token_ids": [5]}, "params": {"prompt_logprobs": 30}},
         {"prompt": {"prompt_token_ids": [5]}, "params": {"stop_token_ids": [600]}},
         {"prompt": {"prompt_token_ids": [5, 6]}, "params": {"max_tokens": None, "min_tokens": 40}},
+        # One bad value each: the request rules' messages (trio_vllm.protocol.rules).
+        *(
+            {"prompt": {"prompt_token_ids": [5, 6]}, "params": params}
+            for params in (
+                {"temperature": -1.0},
+                {"temperature": 2.5},
+                {"top_p": 2.0},
+                {"top_p": 0.0, "temperature": 0.0},
+                {"top_k": -2},
+                {"min_p": 1.5},
+                {"max_tokens": 0},
+                {"n": 0},
+                {"n": 2, "temperature": 0.0},
+                {"presence_penalty": 3.0},
+                {"frequency_penalty": -2.5},
+                {"repetition_penalty": 0.0},
+                {"min_tokens": -1},
+                {"min_tokens": 9, "max_tokens": 4},
+                {"stop": [""]},
+                {"bad_words": [""]},
+                {"logprobs": -2},
+                {"prompt_logprobs": -2},
+                {"stream_interval": 0},
+                {"allowed_token_ids": [600]},
+                {"allowed_token_ids": []},
+                {"logprob_token_ids": [1] * 129, "logprobs": 129},
+                {"extra_args": {"k": 2**64}},
+            )
+        ),
     ]
     return {"kind": "inputs", "model": TINY_LLAMA, "max_model_len": 32, "items": items}
 

@@ -19,8 +19,8 @@ import pytest
 
 from trio_vllm import InvalidRequestError
 from trio_vllm.protocol import SamplingParams
+from trio_vllm.protocol.rules import CONTEXT_SUFFIX
 from trio_vllm.text import InputProcessor, ModelFiles, normalize_messages, render_chat_template
-from trio_vllm.text._input import _CONTEXT_SUFFIX
 
 from . import _parity
 from ._parity import TINY_LLAMA, tokenizer_for
@@ -148,7 +148,7 @@ def test_input_processing_matches_vllm(vllm_results: dict[str, Any]) -> None:
             assert "error" in theirs, (item, error)
             # vLLM appends " (parameter=..., value=...)" to some messages; we append the
             # context length to the one refusal whose text lacks it.
-            ours = error.removesuffix(_CONTEXT_SUFFIX.format(case["max_model_len"]))
+            ours = error.removesuffix(CONTEXT_SUFFIX.format(case["max_model_len"]))
             assert theirs["error"].startswith(ours), (item, error, theirs["error"])
             continue
         assert "error" not in theirs, (item, theirs)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from trio_vllm import EngineDeadError, SamplingParams
+from trio_vllm import EngineDeadError, InvalidRequestError, SamplingParams
 from trio_vllm.client import VllmEngines, make_request
 from trio_vllm.sync import SyncClient
 
@@ -61,8 +61,9 @@ def client(request: pytest.FixtureRequest) -> Iterator[SyncClient]:
 
 @pytest.mark.parametrize("kind", ["prompt", "allowed_token_ids", "logit_bias"])
 def test_out_of_vocabulary_refused_and_engine_alive(client: SyncClient, kind: str) -> None:
-    with pytest.raises(ValueError, match=kind):
+    with pytest.raises(InvalidRequestError) as info:
         client.add_request(_oov(kind, _vocab_size()))
+    assert (info.value.field or "").startswith(kind), info.value
     assert client.live_requests == []
     # The engine is alive: greedy tokens as vLLM's own frontend gives them.
     tokens = client.generate(make_request([1, 5, 7, 9], max_tokens=8)).collect()

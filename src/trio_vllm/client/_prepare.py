@@ -9,12 +9,22 @@ same for a prompt of token ids; `prepare_sampling_params` does it for a
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from ..protocol.rules import (
+    DEFAULTED_MAX_TOKENS,
+    NO_LIMITS,
+    PROMPT,
+    SAMPLING,
+    SAMPLING_RAW,
+    Limits,
+    PromptInput,
+)
 from ..protocol.structs import EngineCoreRequest, LoRARequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -51,10 +61,13 @@ def prepare_sampling_params(
     * every ``stop_token_ids`` entry is in ``_all_stop_token_ids``.
     * ``n`` must be 1 (fan out yourself, one request per sample).
 
-    Raises ``ValueError`` for values the engine would reject or crash on.
+    Raises `InvalidRequestError` (a ``ValueError``) first for what vLLM refuses when a
+    ``SamplingParams`` is made (temperature, top_p, top_k, min_p ranges...), with vLLM's
+    message (``trio_vllm.protocol.rules``); the rest of the engine's rules are checked
+    when the request is sent.
     """
-    if params.n != 1:
-        raise ValueError("n must be 1 on the wire: send one request per sample (§10)")
+    SAMPLING.raise_for(params)
+    SAMPLING_RAW.raise_for(params)
     max_tokens = params.max_tokens
     if max_tokens is None:
         if prompt_len is None or max_model_len is None:
@@ -63,8 +76,6 @@ def prepare_sampling_params(
                 "can default to max_model_len - prompt_len"
             )
         max_tokens = max_model_len - prompt_len
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     stop_ids = list(params.stop_token_ids or ())
     all_stop = set(params._all_stop_token_ids)
     all_stop.update(stop_ids)
@@ -77,13 +88,24 @@ def prepare_sampling_params(
         all_stop.add(extra)
         if not params.ignore_eos and extra not in stop_ids:
             stop_ids.append(extra)
-    return msgspec.structs.replace(
+    prepared = msgspec.structs.replace(
         params,
         max_tokens=max_tokens,
         stop_token_ids=stop_ids,
         _all_stop_token_ids=all_stop,
         _eos_token_id=None if params.ignore_eos else eos,
     )
+    if params.max_tokens is None:  # the default, checked as vLLM's input processor does
+        for rule in DEFAULTED_MAX_TOKENS:
+            violation = rule(prepared)
+            if violation is not None:
+                raise violation.error()
+    return prepared
+
+
+@functools.lru_cache(maxsize=64)
+def _limits(max_model_len: int) -> Limits:
+    return Limits(max_model_len=max_model_len)
 
 
 def make_request(
@@ -118,19 +140,13 @@ def make_request(
     length is checked (``len(prompt) < max_model_len``) and a ``None`` ``max_tokens``
     means "up to the context limit".
 
-    Raises ``ValueError`` for an empty prompt, negative token ids or a prompt that does
-    not fit.
+    Raises `InvalidRequestError` (a ``ValueError``) with vLLM's message for an empty
+    prompt, a token id no vocabulary has, a prompt that does not fit, and the sampling
+    values vLLM refuses (see `prepare_sampling_params`).
     """
     prompt = [int(t) for t in prompt_token_ids]
-    if not prompt:
-        raise ValueError("the prompt must not be empty")
-    if any(t < 0 for t in prompt):
-        raise ValueError("token ids must be non-negative")
-    if max_model_len is not None and len(prompt) >= max_model_len:
-        raise ValueError(
-            f"prompt of {len(prompt)} tokens does not fit max_model_len {max_model_len} "
-            "(one slot is needed for output)"
-        )
+    limits = NO_LIMITS if max_model_len is None else _limits(max_model_len)
+    PROMPT.raise_for(PromptInput(prompt, len(prompt)), limits, engine_only=True)
     if sampling_params is None:
         sampling_params = SamplingParams(
             max_tokens=max_tokens,

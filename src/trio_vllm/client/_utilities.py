@@ -31,6 +31,7 @@ from typing import (
 )
 
 from .._exceptions import ProtocolError
+from ..protocol.rules import LORA
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -220,7 +221,9 @@ def profile(
 
 @utility("all", _all_true)
 def add_lora(lora_request: LoRARequest) -> list[object]:
-    """Load a LoRA adapter on every engine."""
+    """Load a LoRA adapter on every engine (`InvalidRequestError` for a malformed one,
+    before anything is sent)."""
+    LORA.raise_for(lora_request, engine_only=True)
     return [lora_request]
 
 

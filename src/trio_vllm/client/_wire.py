@@ -14,8 +14,9 @@ import msgspec
 
 from ..protocol.codec import ClientCodec
 from ..protocol.profiles import ProtocolProfile, newest_profile, profile_for_version
+from ..protocol.rules import REQUEST, SAMPLING_RAW, Limits
 from ..protocol.structs import EngineCoreDead, EngineCoreOutputs, EngineCoreRequest, UtilityOutput
-from ..protocol.validation import validate_request
+from ..protocol.validation import check_request
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -39,7 +40,9 @@ class Wire:
         self.max_model_len: int | None = None
         self.supports_lora: bool | None = None
         # The model's vocabulary size, when the caller knows it (open_client(vocab_size=)).
-        self.vocab_size: int | None = None
+        self._vocab_size: int | None = None
+        # What the request rules may know, rebuilt when a limit changes (not per request).
+        self.limits = Limits(num_clients=1)
         self._codec = ClientCodec(
             profile, allow_insecure_serialization=allow_insecure_serialization
         )
@@ -77,21 +80,29 @@ class Wire:
         if not isinstance(request, EngineCoreRequest):
             raise TypeError(f"expected an EngineCoreRequest, got {type(request).__name__}")
         if type(request.request_id) is not str or not request.request_id:
-            raise ValueError("request_id must be a non-empty str")
+            violation = REQUEST["request_id"](request)
+            assert violation is not None
+            raise violation.error()
         return request.request_id
 
     def validate_request(self, request: EngineCoreRequest) -> None:
-        """Client-level checks on top of the codec's validation (``ValueError``)."""
-        if request.client_index != 0:
-            raise ValueError("client_index must be 0 (this client is the only frontend)")
-        sampling = request.sampling_params
-        if sampling is not None and getattr(sampling, "n", 1) != 1:
-            # The engine runs one sequence per request; vLLM's frontend fans n out into
-            # n requests, which is the caller's part here (docs/reliability.md).
-            raise ValueError(
-                f"request {request.request_id!r}: n must be 1 (got {sampling.n!r}); send n "
-                "requests with distinct ids (and seeds) instead"
-            )
+        """The request rules that protect a stock engine, with the engines' limits
+        (``trio_vllm.protocol.rules``), and one sequence per request:
+        `InvalidRequestError` (a ``ValueError``) with the rule's message."""
+        violation = check_request(request, self.limits)
+        if violation is None and request.sampling_params is not None:
+            violation = SAMPLING_RAW.check(request.sampling_params, self.limits)
+        if violation is not None:
+            raise violation.error()
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self._vocab_size
+
+    @vocab_size.setter
+    def vocab_size(self, value: int | None) -> None:
+        self._vocab_size = value
+        self._update_limits()
 
     def set_limits(self, ready_responses: Mapping[int, Mapping[str, Any]]) -> None:
         """Take the engines' limits from their ready responses (for validation)."""
@@ -99,17 +110,18 @@ class Wire:
         self.max_model_len = min(lens) if lens else None
         lora = [r["supports_lora"] for r in ready_responses.values() if "supports_lora" in r]
         self.supports_lora = all(lora) if lora else None
+        self._update_limits()
+
+    def _update_limits(self) -> None:
+        self.limits = Limits(
+            max_model_len=self.max_model_len,
+            vocab_size=self._vocab_size,
+            supports_lora=self.supports_lora,
+            num_clients=1,  # this client is the engines' only frontend
+        )
 
     def encode_add(self, request: EngineCoreRequest) -> list[Any]:
-        """Validate and encode an ADD (``ValueError`` before any byte is produced)."""
-        validate_request(
-            request,
-            profile=self.profile,
-            max_model_len=self.max_model_len,
-            supports_lora=self.supports_lora,
-            vocab_size=self.vocab_size,
-            num_clients=1,
-        )
+        """Encode an ADD that passed `validate_request`."""
         return self._codec.encode_add(request, validate=False)
 
     def encode_abort(self, request_ids: Sequence[str]) -> list[Any]:

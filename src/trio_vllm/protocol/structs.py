@@ -189,7 +189,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     Like vLLM's, construction (and decoding) normalizes: ``stop``, ``stop_token_ids`` and
     ``bad_words`` become lists, ``stop_token_ids`` are added to ``_all_stop_token_ids``,
     ``skip_reading_prefix_cache`` becomes a bool, ``seed=-1`` means no seed, greedy
-    sampling (``temperature < 1e-5``) resets ``top_p``/``top_k``/``min_p``, and tiny
+    sampling (``temperature < 1e-5``) resets ``top_p``/``top_k``/``min_p`` (those in
+    range: a bad value stays for validation to refuse, as vLLM refuses it), and tiny
     positive temperatures are raised to 0.01. Send ``max_tokens`` and ``temperature``
     explicitly, and ``_eos_token_id`` unless ``ignore_eos`` (docs/protocol.md §10).
     """
@@ -273,9 +274,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if self.stop and not self.include_stop_str_in_output:
             self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
         if self.temperature < _SAMPLING_EPS:
-            self.top_p = _DEFAULT_TOP_P
-            self.top_k = 0
-            self.min_p = _DEFAULT_MIN_P
+            # vLLM checks these before greedy sampling resets them: a value out of range
+            # stays, for validation to refuse as vLLM does (trio_vllm.protocol.rules).
+            top_p, top_k, min_p = self.top_p, self.top_k, self.min_p
+            if type(top_p) is float and 0.0 < top_p <= 1.0:
+                self.top_p = _DEFAULT_TOP_P
+            if type(top_k) is int and top_k >= -1:
+                self.top_k = 0
+            if type(min_p) is float and 0.0 <= min_p <= 1.0:
+                self.min_p = _DEFAULT_MIN_P
         if self.stop_token_ids:
             self._all_stop_token_ids.update(self.stop_token_ids)
         if self.skip_reading_prefix_cache is None:

@@ -592,4 +592,6 @@ def _as_http_error(exc: BaseException) -> HTTPError:
         return _dead_error()
     if isinstance(exc, GenerationError):
         return HTTPError(str(exc), 500, err_type="InternalServerError")
+    if isinstance(exc, InvalidRequestError):
+        return HTTPError(str(exc), param=exc.param)  # a request rule's verdict
     return HTTPError(str(exc))

@@ -11,12 +11,23 @@ chat, a usage chunk last when ``stream_options.include_usage``, then ``data: [DO
 
 from __future__ import annotations
 
-import math
+import functools
 import time
 import uuid
 from typing import TYPE_CHECKING
 
 from ..protocol import RequestOutputKind, SamplingParams
+from ..protocol.rules import (
+    CHAT,
+    COMPLETION,
+    OPENAI,
+    PROMPT,
+    PROMPT_TEXT,
+    SAMPLING,
+    Limits,
+    PromptInput,
+    PromptText,
+)
 from ._http import HTTPError, encode
 from ._schemas import (
     INT64_MAX,
@@ -47,6 +58,7 @@ from ._schemas import (
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
+    from ..protocol.rules import Violation
     from ..text import CompletionOutput, Logprob, RequestOutput, SamplingDefaults, TokensPrompt
     from ._frontend import TextFrontend, TokenizerLike
 
@@ -135,92 +147,41 @@ def base_request_id(header_id: str | None, body_id: str | None) -> str:
     return uuid.uuid4().hex if body_id is None else body_id
 
 
-def _check_range(name: str, value: float | None, lo: float, hi: float) -> None:
-    if value is not None and not (lo <= value <= hi):
-        raise HTTPError(f"{name} must be in [{lo}, {hi}], got {value}.", param=name)
+def _refuse(violation: Violation | None) -> None:
+    """Raise a request rule's verdict as vLLM's HTTP 400 (``param`` as vLLM names it)."""
+    if violation is not None:
+        raise HTTPError(str(violation), param=violation.param)
+
+
+@functools.lru_cache(maxsize=8)
+def _limits(max_model_len: int) -> Limits:
+    return Limits(max_model_len=max_model_len)
 
 
 def _common_checks(
-    req: CompletionRequest | ChatCompletionRequest, n: int, extra: Mapping[str, object]
+    req: CompletionRequest | ChatCompletionRequest, extra: Mapping[str, object], limits: Limits
 ) -> None:
     for name, default in UNSUPPORTED_FIELDS.items():
         if extra.get(name, default) != default:
             raise HTTPError(f"`{name}` is not supported by trio-vllm serve.", param=name)
     if req.use_beam_search:
         raise HTTPError("Beam search is not supported by trio-vllm serve.", param="use_beam_search")
-    if req.stream_options is not None and not req.stream:
-        raise HTTPError(
-            "Stream options can only be defined when `stream=True`.", param="stream_options"
-        )
+    _refuse(OPENAI.check(req, limits))
     if req.seed is not None and not (INT64_MIN <= req.seed <= INT64_MAX):
         raise HTTPError("seed must be a 64-bit integer.", param="seed")
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_STRINGS:
         raise HTTPError(f"stop may hold at most {MAX_STOP_STRINGS} strings.", param="stop")
-    if not 1 <= n <= 1024:
-        raise HTTPError(f"n must be in [1, 1024], got {n}.", param="n")
-    for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty"):
-        value = getattr(req, name)
-        if value is not None and not math.isfinite(value):
-            raise HTTPError(f"{name} must be a finite number, got {value}.", param=name)
-    _check_range("temperature", req.temperature, 0.0, 2.0)
-    _check_range("top_p", req.top_p, 1e-9, 1.0)
-    _check_range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
-    _check_range("presence_penalty", req.presence_penalty, -2.0, 2.0)
-    if req.top_k is not None and req.top_k < -1:
-        raise HTTPError(
-            f"top_k must be -1 (disable) or at least 1, got {req.top_k}.", param="top_k"
-        )
-    if req.min_tokens < 0:
-        raise HTTPError(f"min_tokens must be >= 0, got {req.min_tokens}.", param="min_tokens")
-    for tid in req.stop_token_ids or ():
-        if tid < 0:
-            raise HTTPError("stop_token_ids must be non-negative.", param="stop_token_ids")
 
 
-def _max_tokens(
-    max_model_len: int,
-    requested: int | None,
-    prompt_len: int,
-    param: str,
-    defaults: SamplingDefaults,
-) -> int:
-    """vLLM's ``TokenizeParams`` check plus ``get_max_tokens``: the request's limit (else
-    the model's default) capped by the room the prompt leaves and the server's cap."""
-    if requested is not None:
-        if requested > max_model_len:
-            raise HTTPError(
-                f"{param}={requested} cannot be greater than max_model_len={max_model_len}. "
-                "Please request fewer output tokens.",
-                param=param,
-            )
-        if requested < 1 and not (param == "max_tokens" and requested == 0):
-            raise HTTPError(f"{param} must be at least 1, got {requested}.", param=param)
-    return defaults.max_tokens(requested, max_model_len - prompt_len)
+def _check_prompt_len(limits: Limits, count: int) -> None:
+    _refuse(PROMPT["prompt_too_long"](PromptInput(None, count), limits))
 
 
-def _check_prompt_len(max_model_len: int, count: int) -> None:
-    if count > max_model_len:
-        raise HTTPError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt contains {count} input tokens, which exceeds this limit even without "
-            "any output tokens. Please reduce the length of the input prompt.",
-            param="input_tokens",
-        )
-
-
-def _check_prompt_chars(max_model_len: int, text: str, tokenizer: TokenizerLike) -> None:
+def _check_prompt_chars(limits: Limits, text: str, tokenizer: TokenizerLike) -> None:
     # vLLM bounds text before tokenizing (max_chars_per_token); so does the server, so a
     # huge prompt costs no tokenizer time.
     per_token = getattr(tokenizer, "max_chars_per_token", _DEFAULT_MAX_CHARS_PER_TOKEN)
-    limit = max_model_len * per_token
-    if len(text) > limit:
-        raise HTTPError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt contains {len(text)} characters (more than {limit} characters, which "
-            f"is the upper bound for {max_model_len} input tokens). Please reduce the "
-            "length of the input prompt.",
-            param="input_text",
-        )
+    _refuse(PROMPT_TEXT.check(PromptText(text, per_token), limits))
 
 
 def _sampling_params(
@@ -241,7 +202,7 @@ def _sampling_params(
             raise HTTPError("logit_bias keys must be token ids.", param="logit_bias") from None
     stop: list[str] = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
     value = defaults.value
-    return SamplingParams(
+    params = SamplingParams(
         n=n,
         presence_penalty=value("presence_penalty", req.presence_penalty),
         frequency_penalty=value("frequency_penalty", req.frequency_penalty),
@@ -266,6 +227,10 @@ def _sampling_params(
         bad_words=req.bad_words or None,
         skip_clone=True,  # built for this request only (vLLM's OpenAI layer does the same)
     )
+    # vLLM's to_sampling_params makes a SamplingParams, which checks its values; the
+    # model-dependent rules follow in the text layer (its input processor).
+    _refuse(SAMPLING.check(params))
+    return params
 
 
 def _usage_flags(req: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
@@ -285,14 +250,11 @@ def plan_completion(
     extra: Mapping[str, object],
 ) -> GenerationPlan:
     """Check a completion request and tokenize its prompt(s); `HTTPError` if bad."""
-    _common_checks(req, req.n, extra)
-    if req.logprobs is not None and req.logprobs < 0 and req.logprobs != -1:
-        raise HTTPError("`logprobs` must be a positive value or -1.", param="logprobs")
+    limits = _limits(llm.max_model_len)
+    _common_checks(req, extra, limits)
+    _refuse(COMPLETION.check(req, limits))
     prompt = req.prompt
-    if prompt is None or prompt == "" or prompt == []:
-        raise HTTPError(
-            "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
-        )
+    assert prompt is not None  # COMPLETION's rule
     items: list[str | list[int]]
     if isinstance(prompt, str):
         items = [prompt]
@@ -331,7 +293,7 @@ def plan_completion(
     requested = _COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     for item in items:
         if isinstance(item, str):
-            _check_prompt_chars(max_model_len, item, tokenizer)
+            _check_prompt_chars(limits, item, tokenizer)
             ids = tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
             text = item
         else:
@@ -341,12 +303,9 @@ def plan_completion(
                 raise HTTPError("prompt token ids must be non-negative.", param="prompt")
             ids = item
             text = tokenizer.decode(item, skip_special_tokens=False) if req.echo else ""
-        _check_prompt_len(max_model_len, len(ids))
-        max_tokens = _max_tokens(max_model_len, requested, len(ids), "max_tokens", defaults)
-        if req.max_tokens == 0 and not echo_only:
-            raise HTTPError("max_tokens must be at least 1, got 0.", param="max_tokens")
-        if max_tokens == 0 and not echo_only:
-            _check_prompt_len(max_model_len - 1, len(ids))
+        _check_prompt_len(limits, len(ids))
+        # vLLM's get_max_tokens; a limit below 1 is refused with the SamplingParams.
+        max_tokens = defaults.max_tokens(requested, max_model_len - len(ids))
         prompts.append({"prompt_token_ids": ids, "prompt": text})
         params.append(
             _sampling_params(
@@ -387,14 +346,10 @@ def plan_chat(
 ) -> GenerationPlan:
     """Check a chat request and render its messages; `HTTPError` if bad."""
     n = 1 if req.n is None else req.n
-    _common_checks(req, n, extra)
+    limits = _limits(llm.max_model_len)
+    _common_checks(req, extra, limits)
+    _refuse(CHAT.check(req, limits))
     top = 0 if req.top_logprobs is None else req.top_logprobs
-    if top < 0 and top != -1:
-        raise HTTPError("`top_logprobs` must be a positive value or -1.", param="top_logprobs")
-    if (top == -1 or top > 0) and not req.logprobs:
-        raise HTTPError(
-            "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs"
-        )
     if req.tools == []:
         raise HTTPError("`tools` must not be an empty array.", param="tools")
     if req.tools or (req.tool_choice not in (None, "none")):
@@ -413,7 +368,7 @@ def plan_chat(
     for message in req.messages:
         content = message.get("content")
         if isinstance(content, str):
-            _check_prompt_chars(max_model_len, content, llm.tokenizer)
+            _check_prompt_chars(limits, content, llm.tokenizer)
     try:
         text, ids = llm.render_chat(
             req.messages,
@@ -429,15 +384,10 @@ def plan_chat(
         raise
     if req.add_special_tokens:
         ids = llm.tokenizer.encode(text, add_special_tokens=True)
-    _check_prompt_len(max_model_len, len(ids))
-    requested: int | None = req.max_tokens
-    param = "max_tokens"
-    if req.max_completion_tokens is not None:
-        requested, param = req.max_completion_tokens, "max_completion_tokens"
+    _check_prompt_len(limits, len(ids))
+    requested = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     defaults = llm.sampling_defaults
-    max_tokens = _max_tokens(max_model_len, requested, len(ids), param, defaults)
-    if max_tokens == 0:
-        _check_prompt_len(max_model_len - 1, len(ids))
+    max_tokens = defaults.max_tokens(requested, max_model_len - len(ids))
     logprobs = top if req.logprobs else None
     params = _sampling_params(req, defaults, n=n, max_tokens=max_tokens, logprobs=logprobs)
     request_id = f"chatcmpl-{base_request_id(header_request_id, req.request_id)}"

@@ -12,7 +12,6 @@ the two (the async frontend's job). Every refusal is an
 from __future__ import annotations
 
 import copy
-import math
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -21,7 +20,17 @@ from typing import TYPE_CHECKING, Any, Final
 
 from .._exceptions import InvalidRequestError
 from ..protocol import EngineCoreRequest, SamplingParams
-from ..protocol.validation import validate_sampling_params
+from ..protocol.rules import (
+    DEFAULTED_MAX_TOKENS,
+    PROMPT,
+    PROMPT_TEXT,
+    SAMPLING,
+    SAMPLING_LIMITS,
+    SAMPLING_WIRE,
+    Limits,
+    PromptInput,
+    PromptText,
+)
 from ._chat import render_chat_template
 from ._defaults import SamplingDefaults
 from ._output import OutputProcessor, ParentRequest
@@ -33,9 +42,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_MAX_LOGPROBS", "InputProcessor", "ProcessedRequest", "random_uuid"]
 
-# Appended to vLLM's text for a prompt of exactly max_model_len tokens, so every too-long
-# refusal names the context length (the contract servers rely on).
-_CONTEXT_SUFFIX: Final = " This model's maximum context length is {} tokens."
 
 #: vLLM's default ``--max-logprobs``.
 DEFAULT_MAX_LOGPROBS: Final = 20
@@ -116,6 +122,13 @@ class InputProcessor:
             else SamplingDefaults(sampling_defaults)
         )
         self.max_logprobs = max_logprobs
+        # What the request rules know of this model (trio_vllm.protocol.rules).
+        self.limits = Limits(
+            max_model_len=max_model_len,
+            vocab_size=vocab_size,
+            max_token_id=self._max_token_id(),
+            max_logprobs=max_logprobs,
+        )
 
     @classmethod
     def from_model_files(
@@ -179,16 +192,7 @@ class InputProcessor:
 
     def _encode_prompt_text(self, text: str) -> list[int]:
         tokenizer = self._require_tokenizer("a text prompt")
-        # vLLM refuses, before tokenizing, a text longer than max_model_len tokens of the
-        # longest vocabulary piece could be.
-        max_chars = self.max_model_len * tokenizer.max_chars_per_token
-        if len(text) > max_chars:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, your prompt contains {len(text)} characters (more than "
-                f"{max_chars} characters, which is the upper bound for {self.max_model_len} "
-                f"input tokens). Please reduce the length of the input prompt."
-            )
+        PROMPT_TEXT.raise_for(PromptText(text, tokenizer.max_chars_per_token), self.limits)
         return tokenizer.encode(text, add_special_tokens=True)
 
     def render_chat(
@@ -219,30 +223,7 @@ class InputProcessor:
         """vLLM's prompt checks: not empty, shorter than ``max_model_len`` (room for one
         token), every id inside the vocabulary. ``from_text``: the ids are a text prompt's
         (vLLM tokenizes those to at most ``max_model_len + 1`` tokens, and says so)."""
-        n = len(ids)
-        max_len = self.max_model_len
-        if n == 0:
-            raise InvalidRequestError("The decoder prompt cannot be empty")
-        if n > max_len:
-            count = f"at least {max_len + 1}" if from_text else str(n)
-            raise InvalidRequestError(
-                f"This model's maximum context length is {max_len} tokens. However, your "
-                f"prompt contains {count} input tokens, which exceeds this limit even "
-                f"without any output tokens. Please reduce the length of the input prompt."
-            )
-        if n == max_len:
-            raise InvalidRequestError(
-                f"The decoder prompt (length {n}) plus the number of requested output tokens "
-                f"(at least 1) is longer than the maximum model length of {max_len}. Make "
-                f"sure that `max_model_len` is no smaller than the number of text tokens "
-                f"(prompt + requested output tokens).{_CONTEXT_SUFFIX.format(max_len)}"
-            )
-        lo, hi = min(ids), max(ids)
-        if lo < 0:
-            raise InvalidRequestError(f"Token id {lo} is out of vocabulary")
-        limit = self._max_token_id()
-        if limit is not None and hi > limit:
-            raise InvalidRequestError(f"Token id {hi} is out of vocabulary")
+        PROMPT.raise_for(PromptInput(ids, len(ids), from_text), self.limits)
 
     def _max_token_id(self) -> int | None:
         # vLLM: an id is in vocabulary below max(tokenizer.max_token_id, vocab_size - 1).
@@ -265,6 +246,7 @@ class InputProcessor:
         ``stop_token_ids`` (vLLM's ``update_from_generation_config``); ``bad_words`` are
         tokenized (``update_from_tokenizer``).
         """
+        limits = self.limits
         if params is None:
             p = self.sampling_defaults.sampling_params()  # fresh: nobody else holds it
             self._verify(p)
@@ -283,73 +265,23 @@ class InputProcessor:
                 p = copy.deepcopy(params)
         if p.max_tokens is None:
             p.max_tokens = self.max_model_len - prompt_len
-            if p.min_tokens > p.max_tokens:
-                raise InvalidRequestError(
-                    f"min_tokens must be less than or equal to max_tokens={p.max_tokens}, "
-                    f"got {p.min_tokens}."
-                )
+            for rule in DEFAULTED_MAX_TOKENS:
+                violation = rule(p, limits)
+                if violation is not None:
+                    raise violation.error()
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         _update_from_generation_config(p, self.generation_config, eos)
         if self.tokenizer is not None and p.bad_words:
             _update_bad_words(p, self.tokenizer)
-        try:
-            validate_sampling_params(p, max_logprobs=self.max_logprobs, vocab_size=self.vocab_size)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
+        SAMPLING_WIRE.raise_for(p, limits)
         return p
 
     def _verify(self, p: SamplingParams) -> None:
-        """The checks vLLM's ``SamplingParams`` runs, with vLLM's messages."""
-        n: object = p.n
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise InvalidRequestError(f"n must be at least 1, got {p.n}.")
-        if p.greedy and p.n > 1:
-            raise InvalidRequestError(f"n must be 1 when using greedy sampling, got {p.n}.")
-        if not math.isfinite(p.temperature) or not 0.0 <= p.temperature <= 2.0:
-            raise InvalidRequestError(f"temperature must be in [0, 2], got {p.temperature}.")
-        if not 0.0 < p.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {p.top_p}.")
-        if p.max_tokens is not None and p.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {p.max_tokens}.")
-        if p.min_tokens < 0:
-            raise InvalidRequestError(
-                f"min_tokens must be greater than or equal to 0, got {p.min_tokens}."
-            )
-        if p.max_tokens is not None and p.min_tokens > p.max_tokens:
-            raise InvalidRequestError(
-                f"min_tokens must be less than or equal to max_tokens={p.max_tokens}, "
-                f"got {p.min_tokens}."
-            )
-        if any(not s for s in p.stop or ()):
-            raise InvalidRequestError("stop cannot contain an empty string.")
-        if p.stop and not p.detokenize:
-            raise InvalidRequestError(
-                "stop strings are only supported when detokenize is True. "
-                "Set detokenize=True to use stop."
-            )
-        vocab = self.vocab_size
-        max_logprobs = vocab if self.max_logprobs == -1 and vocab else self.max_logprobs
-        for name, value in (("sample", p.logprobs), ("prompt", p.prompt_logprobs)):
-            if value is None:
-                continue
-            if value < -1:
-                raise InvalidRequestError(
-                    f"{'logprobs' if name == 'sample' else 'prompt_logprobs'} must be "
-                    f"non-negative or -1, got {value}."
-                )
-            requested = vocab if value == -1 and vocab is not None else value
-            if requested > max_logprobs:
-                raise InvalidRequestError(
-                    f"Requested {name} logprobs of {requested}, which is greater than max "
-                    f"allowed: {max_logprobs}"
-                )
-        if p.stop_token_ids and vocab is not None:
-            bad = [t for t in p.stop_token_ids if t < 0 or t >= vocab]
-            if bad:
-                raise InvalidRequestError(
-                    f"token_id(s) {bad} in stop_token_ids contain out-of-vocab token ids. "
-                    f"Vocabulary size: {vocab}"
-                )
+        """vLLM's checks of a ``SamplingParams``: made (``_verify_args``), then against
+        the model (``verify``); `InvalidRequestError` with vLLM's message."""
+        violation = SAMPLING.check(p) or SAMPLING_LIMITS.check(p, self.limits)
+        if violation is not None:
+            raise violation.error()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -528,12 +460,22 @@ def _update_bad_words(p: SamplingParams, tokenizer: Tokenizer) -> None:
             if not ids:
                 if not add_prefix_space:
                     raise InvalidRequestError(
-                        "bad_words entries must tokenize to at least one token."
+                        "bad_words entries must tokenize to at least one token. "
+                        f"(parameter=bad_words, value={p.bad_words})",
+                        param="bad_words",
+                        field="bad_words",
                     )
                 continue
             if not add_prefix_space or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
                 out.append(ids)
-    bad = [t for ids in out for t in ids if t < 0 or t > tokenizer.max_token_id]
+    top = tokenizer.max_token_id
+    bad = [t for ids in out for t in ids if t < 0 or t > top]
     if bad:
-        raise InvalidRequestError(f"token ids {bad} of bad_words are out of vocabulary")
+        raise InvalidRequestError(
+            f"The model vocabulary size is {top + 1}, but the following tokens were "
+            f"specified as bad: {bad}. All token id values should be integers satisfying: "
+            f"0 <= token_id <= {top}. (parameter=bad_words, value={p.bad_words})",
+            param="bad_words",
+            field="bad_words",
+        )
     p._bad_words_token_ids = out

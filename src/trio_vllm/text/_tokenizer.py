@@ -26,7 +26,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from .._exceptions import InvalidRequestError
 from ._defaults import SamplingDefaults
 
 if TYPE_CHECKING:
@@ -528,14 +527,3 @@ def _clean_up_tokenization(text: str) -> str:
         .replace(" 've", "'ve")
         .replace(" 're", "'re")
     )
-
-
-def check_token_ids(ids: Sequence[int], tokenizer: Tokenizer, *, what: str = "prompt") -> None:
-    """vLLM's ``validate_token_ids``: every id in ``[0, max_token_id]``."""
-    if not ids:
-        return
-    lo, hi = min(ids), max(ids)
-    if lo < 0:
-        raise InvalidRequestError(f"Token id {lo} is out of vocabulary ({what})")
-    if hi > tokenizer.max_token_id:
-        raise InvalidRequestError(f"Token id {hi} is out of vocabulary ({what})")
