@@ -333,3 +333,45 @@ async def test_next_batch_cancelled_consumes_nothing(
     control = reference_engines.controls[0]
     assert (await control.wait_idle(within=15.0)).requests == 0
     assert llm.num_requests == 0
+
+
+@pytest.mark.reference_engines(**ENGINES)
+@pytest.mark.parametrize("n", [1, 2])
+async def test_entering_a_stream_twice_is_refused_and_leaves_nothing(
+    reference_engines: ReferenceEngineSet, n: int
+) -> None:
+    # The stream is its own context manager: entering it again (nested, or after the
+    # block was left) is refused, and the refused entry registers nothing in the LLM.
+    llm = LLM(reference_engines.client, model=MODEL_DIR)
+    params = tv.SamplingParams(max_tokens=LONG, n=n, temperature=1.0, seed=1)
+    async with llm.generate("ab", params, request_id="twice") as stream:
+        with pytest.raises(RuntimeError, match="entered only once"):
+            async with stream:
+                pass  # pragma: no cover
+        assert llm.num_requests == 1
+        assert llm.live_request_ids == ["twice"]
+    assert llm.num_requests == 0
+    with pytest.raises(RuntimeError, match="entered only once"):
+        async with stream:
+            pass  # pragma: no cover
+    assert llm.num_requests == 0
+    assert llm.live_request_ids == []
+    assert (await reference_engines.controls[0].wait_idle(within=15.0)).requests == 0
+
+
+@pytest.mark.reference_engines(**ENGINES)
+@pytest.mark.parametrize("n", [1, 2])
+async def test_iterating_a_stream_not_entered_says_so(
+    reference_engines: ReferenceEngineSet, n: int
+) -> None:
+    # ``async for out in llm.generate(...)`` without ``async with``: nothing was sent, and
+    # the error says what to do (not a bare AssertionError from inside the stream).
+    llm = LLM(reference_engines.client, model=MODEL_DIR)
+    stream = llm.generate("ab", tv.SamplingParams(max_tokens=3, n=n, temperature=1.0, seed=1))
+    with pytest.raises(RuntimeError, match="async with"):
+        async for _ in stream:
+            pass  # pragma: no cover
+    with pytest.raises(RuntimeError, match="async with"):
+        await stream.next_batch()
+    assert llm.num_requests == 0
+    assert reference_engines.client.live_requests == []

@@ -13,6 +13,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import pytest
 
 from trio_vllm import EngineDeadError, EngineStartupError, UtilityCallError
@@ -412,3 +413,28 @@ def test_interrupted_startup_stops_the_engine_and_the_thread(backend: str) -> No
     assert time.monotonic() - started < 30  # not the 600 s of the delay: a hang guard
     assert not any(t.name == "trio-vllm-sync" for t in threading.enumerate())
     assert set(_children(os.getpid())) <= children, "the engine process outlived startup"
+
+
+def test_interrupt_while_a_stream_is_entered_leaves_no_request(backend: str) -> None:
+    """Ctrl-C while ``generate`` waits for its stream's entry (after the request went
+    out): the entry is cancelled in the loop and the request aborted, at once, not when
+    the facade closes. The entry is made slow on purpose (a real one is a send, too
+    short to interrupt reliably); the facades' ``generate`` enters this way."""
+    engines = ReferenceEngines(model="echo", extra_args=LONG)
+    with SyncClient(engines, backend=backend, ready_timeout=READY) as client:
+        request = make_request([1, 2, 3], max_tokens=900_000)
+        async_client = client.async_client
+
+        @contextlib.asynccontextmanager
+        async def slow_entry() -> Any:
+            async with async_client.generate(request) as stream:
+                await anyio.sleep_forever()  # the request is on the engine by now
+                yield stream  # pragma: no cover
+
+        with interrupt_after(1.0), pytest.raises(Interrupted):
+            client._loop.open_stream(slow_entry())
+        deadline = time.monotonic() + 30  # a hang guard: the abort is immediate
+        while client.live_requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.live_requests == []
+        assert engine_is_idle(client)

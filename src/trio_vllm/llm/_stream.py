@@ -131,6 +131,9 @@ class RequestOutputStream:
     # (a class, not an asynccontextmanager: no generator frames per request)
 
     async def __aenter__(self) -> RequestOutputStream:
+        if self._entered:
+            # Before registering: a refused second entry must leave nothing in the LLM.
+            raise RuntimeError("a generate() context manager can be entered only once")
         error = self._client.dead_error()
         if error is not None:
             raise error
@@ -154,8 +157,6 @@ class RequestOutputStream:
         Cancelled or failed anywhere, everything registered so far is forgotten and every
         request sent so far is aborted before the exception propagates.
         """
-        if self._entered:
-            raise RuntimeError("a generate() context manager can be entered only once")
         self._entered = True
         try:
             self._processed.register(self._processor)
@@ -282,7 +283,10 @@ class RequestOutputStream:
             if receive is None:
                 # One engine request: read its client stream here (the hot path).
                 stream = self._children[0].stream
-                assert stream is not None
+                if stream is None:  # never entered: nothing was sent
+                    raise RuntimeError(
+                        "enter the stream first: async with llm.generate(...) as stream"
+                    )
                 try:
                     output = await stream.__anext__()
                 except StopAsyncIteration:

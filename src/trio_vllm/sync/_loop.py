@@ -12,6 +12,9 @@ The rules live here once, in `LoopThread`:
 * `LoopThread.call`: a call from another thread runs as a task in the loop; an
   exception in the calling thread while it waits (``KeyboardInterrupt``) cancels that
   task, and a call cut short by the portal stopping raises the client's death error.
+* `LoopThread.open_stream`: a per-request context manager is entered and later exited
+  by one loop task; interrupted while waiting for the entry, the calling thread cancels
+  it there (a request already sent is aborted), as `LoopThread.call` does.
 * `LoopThread.close`: every open stream is closed (aborting its request), the context
   manager exits (engines stopped), the portal stops and the thread is joined; the
   streams' own later closes then do nothing.
@@ -216,9 +219,67 @@ class LoopThread(Generic[C]):
         self, context: contextlib.AbstractAsyncContextManager[T]
     ) -> tuple[contextlib.AbstractContextManager[T], T]:
         """Enter a per-request async context manager through the portal: (its blocking
-        wrapper, what it yielded), for a `BlockingStream`."""
-        wrapped = self.portal.wrap_async_context_manager(context)
+        wrapper, what it yielded), for a `BlockingStream`. An exception in the calling
+        thread while it waits (``KeyboardInterrupt``) cancels the entry in the loop (an
+        entry that completed meanwhile is exited: its request aborted) and propagates."""
+        wrapped = _HeldContext(self.portal, context)
         return wrapped, wrapped.__enter__()
+
+
+class _HeldContext(contextlib.AbstractContextManager[T]):
+    """An async context manager entered and exited by one loop task (a task group opened
+    on entry must be left by the task that opened it), driven from another thread: what
+    ``portal.wrap_async_context_manager`` does, except that an entry the calling thread
+    stops waiting for is cancelled rather than left open until the facade closes."""
+
+    def __init__(
+        self,
+        portal: anyio.from_thread.BlockingPortal,
+        context: contextlib.AbstractAsyncContextManager[T],
+    ) -> None:
+        self._portal = portal
+        self._context = context
+        self._entered: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._task: concurrent.futures.Future[bool | None] | None = None
+        self._exit: anyio.Event | None = None
+        self._exc_info: tuple[
+            type[BaseException] | None, BaseException | None, TracebackType | None
+        ] = (None, None, None)
+
+    async def _run(self) -> bool | None:
+        exit_event = self._exit = anyio.Event()
+        try:
+            value = await self._context.__aenter__()
+        except BaseException as exc:
+            self._entered.set_exception(exc)
+            raise
+        self._entered.set_result(value)
+        try:
+            await exit_event.wait()
+        finally:
+            # Also when cancelled (the entry's waiter was interrupted, the portal stops).
+            result = await self._context.__aexit__(*self._exc_info)
+        return result
+
+    def __enter__(self) -> T:
+        task = self._task = self._portal.start_task_soon(self._run)
+        try:
+            return self._entered.result()
+        except BaseException:
+            task.cancel()  # interrupted: cancel the entry (a no-op once the task ended)
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._task is not None  # entered
+        assert self._exit is not None
+        self._exc_info = (exc_type, exc, tb)
+        self._portal.call(self._exit.set)
+        return self._task.result()
 
 
 class StreamHome(Protocol):
