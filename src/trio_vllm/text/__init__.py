@@ -27,6 +27,13 @@ from ._output import OutputProcessor as OutputProcessor
 from ._output import OutputProcessorOutput as OutputProcessorOutput
 from ._output import ParentRequest as ParentRequest
 from ._output import RequestState as RequestState
+from ._pooling import EmbeddingOutput as EmbeddingOutput
+from ._pooling import EmbeddingRequestOutput as EmbeddingRequestOutput
+from ._pooling import PoolingOutput as PoolingOutput
+from ._pooling import PoolingRequestOutput as PoolingRequestOutput
+from ._pooling import pooling_model_of as pooling_model_of
+from ._pooling import prepare_pooling as prepare_pooling
+from ._pooling import to_pooling_output as to_pooling_output
 from ._tokenizer import ModelFiles as ModelFiles
 from ._tokenizer import Tokenizer as Tokenizer
 from ._tokenizer import load_tokenizer as load_tokenizer
@@ -46,6 +53,8 @@ __all__ = [
     "OPENAI_SAMPLING_DEFAULTS",
     "ChatMessage",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "FastIncrementalDetokenizer",
     "IncrementalDetokenizer",
     "InputProcessor",
@@ -55,6 +64,8 @@ __all__ = [
     "OutputProcessor",
     "OutputProcessorOutput",
     "ParentRequest",
+    "PoolingOutput",
+    "PoolingRequestOutput",
     "ProcessedRequest",
     "Prompt",
     "PromptLogprobs",
@@ -70,7 +81,10 @@ __all__ = [
     "internal_request_id",
     "load_tokenizer",
     "normalize_messages",
+    "pooling_model_of",
+    "prepare_pooling",
     "random_uuid",
     "render_chat_template",
     "resolve_model_dir",
+    "to_pooling_output",
 ]
