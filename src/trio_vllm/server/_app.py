@@ -22,6 +22,7 @@ import sniffio
 
 from .._exceptions import EngineDeadError, InvalidRequestError
 from .._version import __version__
+from . import _embeddings
 from ._http import (
     ASGIReceive,
     ASGISend,
@@ -53,7 +54,7 @@ from ._schemas import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Sequence
+    from collections.abc import Awaitable, Callable, Collection, Sequence
 
     _Endpoint = Callable[[Scope, ASGIReceive, ASGISend], Awaitable[int]]
 
@@ -78,11 +79,13 @@ _JSON_CT = b"application/json"
 _FIELDS = {
     "completion": frozenset(CompletionRequest.__struct_fields__),
     "chat": frozenset(ChatCompletionRequest.__struct_fields__),
+    "embedding": _embeddings.FIELDS,
 }
 _RAW_KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
     "completion": msgspec.json.Decoder(CompletionRequest, strict=False),
     "chat": msgspec.json.Decoder(ChatCompletionRequest, strict=False),
+    "embedding": _embeddings.DECODER,
 }
 
 
@@ -129,6 +132,7 @@ class OpenAIServer:
         model_root: str | None = None,
         system_fingerprint: str | None = f"trio-vllm-{__version__}",
         merge_outputs: bool = False,
+        supported_tasks: Collection[str] = ("generate",),
     ) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
@@ -149,15 +153,19 @@ class OpenAIServer:
         self._open: dict[int, _Open] = {}
         self._next = 0
         self._created = int(time.time())
+        self.supported_tasks = tuple(supported_tasks)
         self._routes: dict[str, tuple[str, _Endpoint]] = {
-            "/v1/completions": ("POST", self._completions),
-            "/v1/chat/completions": ("POST", self._chat),
             "/v1/models": ("GET", self._models),
             "/health": ("GET", self._health),
             "/ping": ("GET", self._health),
             "/version": ("GET", self._version),
             "/metrics": ("GET", self._metrics),
         }
+        if "generate" in self.supported_tasks:
+            self._routes["/v1/completions"] = ("POST", self._completions)
+            self._routes["/v1/chat/completions"] = ("POST", self._chat)
+        if "embed" in self.supported_tasks:
+            self._routes["/v1/embeddings"] = ("POST", self._embeddings)
 
     # ------------------------------------------------------------------ state
 
@@ -363,6 +371,51 @@ class OpenAIServer:
         finally:
             del self._open[key]
             self.metrics.request_ended()
+
+    async def _embeddings(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        try:
+            body = await read_body(scope, receive, self.max_body_bytes)
+        except ClientDisconnected:
+            return 0
+        except HTTPError as exc:
+            await send_error(send, exc)
+            return exc.status
+        outcome = _Outcome()
+        try:
+            req, _ = self._decode("embedding", scope, body)
+            if req.model and req.model not in self._name_set:
+                raise HTTPError(
+                    f"The model `{req.model}` does not exist.", 404, err_type="NotFoundError"
+                )
+            if self.dead:
+                raise _dead_error()
+            prompts = _embeddings.plan_embedding(req, self.llm.tokenizer)
+            frontend: _embeddings.EmbeddingFrontend = self.llm  # type: ignore[assignment]
+            outputs = None
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, outcome)
+                try:
+                    outputs = await frontend.embed(
+                        prompts, pooling_params=_embeddings.pooling_params(req)
+                    )
+                finally:
+                    tg.cancel_scope.cancel()
+            if outputs is None:
+                return 0  # the client went away: its requests were aborted
+            payload = _embeddings.embedding_response(req, outputs, self.model_names[0])
+        except BaseExceptionGroup as group:
+            error = _as_http_error(_first_error(group))
+            await send_error(send, error)
+            return error.status
+        except (HTTPError, InvalidRequestError, EngineDeadError) as exc:
+            error = _as_http_error(exc)
+            if isinstance(exc, EngineDeadError):
+                self.mark_dead()
+            await send_error(send, error)
+            return error.status
+        outcome.done(200)
+        await send_bytes(send, 200, payload)
+        return 200
 
     def _check_model(self, model: str | None) -> str:
         if not model or model in self._name_set:

@@ -109,6 +109,7 @@ async def run_openai_server(
             **(client_options or {}),
         ) as llm:
             frontend: TextFrontend = llm
+            tasks = await llm.supported_tasks()  # which routes vllm serve would offer
             app = OpenAIServer(
                 frontend,
                 served_model_names=served_model_names,
@@ -116,6 +117,7 @@ async def run_openai_server(
                 max_body_bytes=max_body_bytes,
                 model_root=None if model is None else str(model),
                 merge_outputs=merge_outputs,
+                supported_tasks=tasks,
             )
 
             async def watch_engines() -> None:
