@@ -88,7 +88,10 @@ async def test_embeddings_endpoint() -> None:
                 "completion_tokens_details": None,
             }
             status, body = await post(port, {"input": ["a", [1, 2]]})  # a mixed batch
-            assert (status, body["error"]["type"]) == (400, "BadRequestError")
+            error = body["error"]
+            assert (status, error["type"], error["param"]) == (400, "Bad Request", "body.input.0")
+            status, body = await post(port, {"input": [1, 2, "a"]})
+            assert (status, body["error"]["param"]) == (400, "body.input.2")
             status, body = await post(port, {"input": []})
             assert (status, body["error"]["message"]) == (400, "You must pass at least one prompt")
             status, body = await post(port, {"input": [5] * 3000})

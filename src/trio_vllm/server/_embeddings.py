@@ -84,9 +84,10 @@ def _is_ids(value: object) -> bool:
     return isinstance(value, list) and all(type(t) is int for t in value)
 
 
-def _invalid_input(detail: str) -> HTTPError:
-    # vLLM answers pydantic's dump of every union member that failed; the gist of it.
-    return HTTPError(f"1 validation error:\n  {detail}", err_type="BadRequestError")
+def _invalid_input(detail: str, param: str | None = "body.input") -> HTTPError:
+    # vLLM answers pydantic's dump of every union member that failed (type "Bad
+    # Request", param the first error's location); ours gives the gist of it.
+    return HTTPError(f"1 validation error:\n  {detail}", err_type="Bad Request", param=param)
 
 
 def plan_embedding(req: EmbeddingRequest, tokenizer: Any) -> list[Prompt]:
@@ -94,7 +95,7 @@ def plan_embedding(req: EmbeddingRequest, tokenizer: Any) -> list[Prompt]:
     `HTTPError` 400 for an input vLLM's schema refuses (a mixed batch, nothing)."""
     raw = req.input
     if raw is msgspec.UNSET:
-        raise _invalid_input("input: Field required")
+        raise _invalid_input("input: Field required", "body.input")
     if req.encoding_format not in ("float", "base64"):
         raise HTTPError(
             f"encoding_format {req.encoding_format!r} is not supported by trio-vllm serve; "
@@ -110,9 +111,12 @@ def plan_embedding(req: EmbeddingRequest, tokenizer: Any) -> list[Prompt]:
         if all(isinstance(x, str) for x in raw) or all(_is_ids(x) for x in raw):
             items = list(raw)
         else:
+            # pydantic's first error: the list of ints member, at its first non-int.
+            first = next(i for i, x in enumerate(raw) if type(x) is not int)
             raise _invalid_input(
                 "input: Input should be a string, a list of strings, a list of token ids "
-                "or a list of lists of token ids"
+                "or a list of lists of token ids",
+                f"body.input.{first}",
             )
     else:
         raise _invalid_input("input: Input should be a valid string or list")
