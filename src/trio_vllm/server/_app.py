@@ -51,6 +51,7 @@ from ._schemas import (
     ModelList,
     ModelPermission,
 )
+from ._structured import warn_removed_guided_fields
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -302,6 +303,7 @@ class OpenAIServer:
         unknown = raw.keys() - _FIELDS[kind]
         extra: dict[str, object] = {}
         if unknown:
+            warn_removed_guided_fields(unknown)
             logger.warning(
                 "The following fields were present in the request but ignored: %s",
                 sorted(unknown),

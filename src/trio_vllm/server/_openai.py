@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from ..protocol import RequestOutputKind, SamplingParams
+from ..protocol import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from ..protocol.rules import (
     CHAT,
     COMPLETION,
@@ -54,6 +54,7 @@ from ._schemas import (
     StreamUsage,
     UsageInfo,
 )
+from ._structured import structured_outputs_for
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -191,6 +192,7 @@ def _sampling_params(
     n: int,
     max_tokens: int,
     logprobs: int | None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     # vLLM's to_sampling_params: the request's value, else the model's default (its
     # generation config), else the OpenAI default.
@@ -225,6 +227,7 @@ def _sampling_params(
         logit_bias=logit_bias,
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words or None,
+        structured_outputs=structured_outputs,
         skip_clone=True,  # built for this request only (vLLM's OpenAI layer does the same)
     )
     # vLLM's to_sampling_params makes a SamplingParams, which checks its values; the
@@ -252,6 +255,7 @@ def plan_completion(
     """Check a completion request and tokenize its prompt(s); `HTTPError` if bad."""
     limits = _limits(llm.max_model_len)
     _common_checks(req, extra, limits)
+    structured = structured_outputs_for(req.response_format, req.structured_outputs, chat=False)
     _refuse(COMPLETION.check(req, limits))
     prompt = req.prompt
     assert prompt is not None  # COMPLETION's rule
@@ -314,6 +318,7 @@ def plan_completion(
                 n=req.n,
                 max_tokens=1 if echo_only else max_tokens,
                 logprobs=req.logprobs,
+                structured_outputs=structured,
             )
         )
         echo_texts.append(text)
@@ -348,6 +353,9 @@ def plan_chat(
     n = 1 if req.n is None else req.n
     limits = _limits(llm.max_model_len)
     _common_checks(req, extra, limits)
+    structured = structured_outputs_for(
+        req.response_format, req.structured_outputs, chat=True, tool_choice=req.tool_choice
+    )
     _refuse(CHAT.check(req, limits))
     top = 0 if req.top_logprobs is None else req.top_logprobs
     if req.tools == []:
@@ -389,7 +397,9 @@ def plan_chat(
     defaults = llm.sampling_defaults
     max_tokens = defaults.max_tokens(requested, max_model_len - len(ids))
     logprobs = top if req.logprobs else None
-    params = _sampling_params(req, defaults, n=n, max_tokens=max_tokens, logprobs=logprobs)
+    params = _sampling_params(
+        req, defaults, n=n, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured
+    )
     request_id = f"chatcmpl-{base_request_id(header_request_id, req.request_id)}"
     include_usage, continuous = _usage_flags(req)
     role = "assistant" if req.add_generation_prompt else str(req.messages[-1]["role"])

@@ -88,6 +88,9 @@ class _SamplingFields(Struct, kw_only=True):
     return_token_ids: bool | None = None
     use_beam_search: bool = False
     priority: int = 0
+    # Read by server/_structured.py as vLLM's request models read them.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -127,8 +130,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 #: get HTTP 400 instead of a result that silently differs from vLLM's.
 UNSUPPORTED_FIELDS: dict[str, object] = {
     "suffix": None,
-    "response_format": None,
-    "structured_outputs": None,
     "logprob_token_ids": None,
     "prompt_logprobs": None,
     "prompt_embeds": None,
