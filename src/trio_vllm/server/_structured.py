@@ -178,6 +178,13 @@ def structured_outputs_for(
                 err_type="Bad Request",
                 param="response_format",
             )
+        if not isinstance(spec.get("schema"), (dict, type(None))):
+            raise HTTPError(
+                "1 validation error:\n  response_format.json_schema.schema: Input should be "
+                "a valid dictionary",
+                err_type="Bad Request",
+                param="response_format",
+            )
         fields = {**(fields or {}), "json": spec.get("schema")}
     if fields is None:
         return None
