@@ -3,7 +3,9 @@ backend choice, the choice grammar and the grammar check (llguidance)."""
 
 from __future__ import annotations
 
+import json
 import logging
+from typing import TYPE_CHECKING
 
 import msgspec
 import pytest
@@ -13,6 +15,11 @@ from trio_vllm.protocol import rules as R
 from trio_vllm.protocol import structured
 from trio_vllm.protocol.structured import choice_as_grammar, resolve_structured_outputs
 from trio_vllm.text._input import InputProcessor
+
+from ._vectors import repo_vector_files
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 S = StructuredOutputsParams
 AUTO = R.Limits(structured_output_backend="auto")
@@ -244,3 +251,12 @@ def test_raw_requests_must_name_a_backend() -> None:
     verdict = check_sampling_params(worse)
     assert verdict is not None
     assert "multiple are specified" in str(verdict)
+
+
+@pytest.mark.parametrize("path", repo_vector_files(), ids=lambda p: p.stem)
+def test_resolution_matches_vllms_frontend(path: Path) -> None:
+    """vLLM's own frontend resolved these constraints (backend auto) when recording them."""
+    vector = json.loads(path.read_text())
+    given = S(**vector["given_structured_outputs"])
+    sent = vector["value"]["sampling_params"]["structured_outputs"]
+    assert msgspec.structs.asdict(resolve_structured_outputs(given)) == sent
