@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import secrets
 import time
 from contextlib import AsyncExitStack
@@ -88,14 +89,16 @@ _DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
 
 
 class _Open:
-    """One generation request in flight (the server's registry entry)."""
+    """One generation request in flight (the server's registry entry); ``grace`` is the
+    scope its generation runs in, whose deadline `OpenAIServer.begin_shutdown` sets."""
 
-    __slots__ = ("endpoint", "request_id", "started")
+    __slots__ = ("endpoint", "grace", "request_id", "started")
 
     def __init__(self, endpoint: str, request_id: str, started: float) -> None:
         self.endpoint = endpoint
         self.request_id = request_id
         self.started = started
+        self.grace: anyio.CancelScope | None = None
 
 
 class OpenAIServer:
@@ -147,6 +150,8 @@ class OpenAIServer:
         self.metrics = ServerMetrics(names[0])
         self.port: int | None = None  # set by the runner once the socket listens
         self._dead = False
+        self._shutdown_deadline = math.inf  # begin_shutdown's: when requests are ended
+        self._shutdown_grace = 0.0
         self._open: dict[int, _Open] = {}
         self._next = 0
         self._created = int(time.time())
@@ -169,6 +174,23 @@ class OpenAIServer:
 
     def mark_dead(self) -> None:
         self._dead = True
+
+    def begin_shutdown(self, grace: float) -> None:
+        """Give the generation requests in flight, and any that still arrive, ``grace``
+        more seconds (the runner calls it on SIGTERM, with the HTTP server's drain).
+
+        A request still generating then is cancelled (its engine requests aborted) and
+        answered: a stream ends with an error event (503 ``ServiceUnavailableError``)
+        and ``data: [DONE]``, a non-streaming request gets that 503; each is logged at
+        WARNING. Calling it again only ever brings the deadline closer. Call it from the
+        app's event loop.
+        """
+        deadline = min(self._shutdown_deadline, anyio.current_time() + grace)
+        self._shutdown_deadline = deadline
+        self._shutdown_grace = grace
+        for entry in self._open.values():
+            if entry.grace is not None:
+                entry.grace.deadline = deadline
 
     @property
     def open_requests(self) -> list[str]:
@@ -352,7 +374,7 @@ class OpenAIServer:
             return exc.status
         key = self._next
         self._next += 1
-        self._open[key] = _Open(kind, plan.request_id, received)
+        entry = self._open[key] = _Open(kind, plan.request_id, received)
         self.metrics.request_started()
         outcome = _Outcome()
         try:
@@ -364,14 +386,14 @@ class OpenAIServer:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, outcome)
                     try:
-                        await self._run(kind, plan, send, received, outcome)
+                        await self._run_in_grace(entry, kind, plan, send, received, outcome)
                     finally:
                         nursery.cancel_scope.cancel()
             else:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, outcome)
                     try:
-                        await self._run(kind, plan, send, received, outcome)
+                        await self._run_in_grace(entry, kind, plan, send, received, outcome)
                     finally:
                         tg.cancel_scope.cancel()
             return outcome.status  # 0 after a disconnect: nobody to answer
@@ -388,6 +410,31 @@ class OpenAIServer:
             err_type="NotFoundError",
             param="model",
         )
+
+    async def _run_in_grace(
+        self,
+        entry: _Open,
+        kind: str,
+        plan: GenerationPlan,
+        send: ASGISend,
+        received: float,
+        outcome: _Outcome,
+    ) -> None:
+        """`_run` within the shutdown grace: past `begin_shutdown`'s deadline the
+        generation is cancelled (its requests aborted) and the client told so, instead
+        of the connection being cut when the HTTP server's own drain ends."""
+        with anyio.CancelScope(deadline=self._shutdown_deadline) as grace:
+            entry.grace = grace
+            await self._run(kind, plan, send, received, outcome)
+        if grace.cancelled_caught and not outcome.complete:
+            logger.warning(
+                "%s request %s outlived the shutdown grace period (%g s): ended with %s",
+                kind,
+                plan.request_id,
+                self._shutdown_grace,
+                "an error event and [DONE]" if outcome.started else "HTTP 503",
+            )
+            await _send_failure(send, _shutdown_error(self._shutdown_grace), outcome)
 
     async def _run(
         self, kind: str, plan: GenerationPlan, send: ASGISend, received: float, outcome: _Outcome
@@ -595,6 +642,15 @@ def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
 def _dead_error() -> HTTPError:
     return HTTPError(
         "The engine is dead; this server no longer serves requests.",
+        503,
+        err_type="ServiceUnavailableError",
+    )
+
+
+def _shutdown_error(grace: float) -> HTTPError:
+    return HTTPError(
+        f"The server is shutting down: the request outlived the shutdown grace period "
+        f"({grace:g} s).",
         503,
         err_type="ServiceUnavailableError",
     )

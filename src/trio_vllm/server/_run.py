@@ -25,6 +25,10 @@ __all__ = ["run_openai_server"]
 
 logger = logging.getLogger("trio_vllm.server")
 
+# Seconds hypercorn's drain outlasts the app's shutdown grace: time for the error events
+# of the requests the app ends at the grace to reach their clients.
+_DRAIN_MARGIN = 5.0
+
 
 async def run_openai_server(
     engines: EngineSource | Sequence[EngineSource],
@@ -50,20 +54,21 @@ async def run_openai_server(
     """Start the engines, the text frontend and the HTTP server; return an exit status.
 
     Returns 0 after a requested shutdown (SIGTERM, SIGINT, or ``stop`` set): the server
-    stops accepting, running requests get ``shutdown_grace`` seconds, then the engines
-    are stopped (a request during startup just stops the startup). Returns 1 when the
-    engines die: every open stream ends with an error event, then the server shuts
-    down the same way, so a supervisor restarts it; with ``keep_serving_on_engine_death``
-    it keeps serving instead (``/health`` 503, every generation request 503) until asked
-    to stop. ``task_status.started(app)`` hands out the app once it listens
-    (``app.port`` is the bound port). ``generation_config`` and
+    stops accepting, running requests get ``shutdown_grace`` seconds (one still running then
+    is aborted and ends with an error event and ``[DONE]``, or a 503, and is logged:
+    `OpenAIServer.begin_shutdown`), then the engines are stopped (a request during startup
+    just stops the startup). Returns 1 when the engines die: every open stream ends with an
+    error event, then the server shuts down the same way, so a supervisor restarts it; with
+    ``keep_serving_on_engine_death`` it keeps serving instead (``/health`` 503, every
+    generation request 503) until asked to stop. ``task_status.started(app)`` hands out the
+    app once it listens (``app.port`` is the bound port). ``generation_config`` and
     ``override_generation_config`` are `open_llm`'s (vLLM's ``--generation-config`` and
     ``--override-generation-config``), ``client_options`` its `ClientOptions`;
-    ``merge_outputs`` is `OpenAIServer`'s. With
-    ``freeze_gc`` the startup heap (imports, tokenizer, engines' handshake) is collected
-    once and frozen (``gc.freeze()``) when the server listens, as ``vllm serve`` does:
-    the collector then never walks it again while serving. The process keeps it frozen
-    after the call returns (``trio-vllm serve`` always passes it).
+    ``merge_outputs`` is `OpenAIServer`'s. With ``freeze_gc`` the startup heap (imports,
+    tokenizer, engines' handshake) is collected once and frozen (``gc.freeze()``) when the
+    server listens, as ``vllm serve`` does: the collector then never walks it again while
+    serving. The process keeps it frozen after the call returns (``trio-vllm serve`` always
+    passes it).
 
     Raises:
         EngineStartupError: the engines did not start.
@@ -138,15 +143,22 @@ async def run_openai_server(
                         host=host,
                         port=port,
                         shutdown_trigger=shutdown.wait,
-                        graceful_timeout=shutdown_grace,
+                        # The app ends what outlives the grace itself (an error event
+                        # and [DONE]); hypercorn's own cut comes only after that.
+                        graceful_timeout=shutdown_grace + _DRAIN_MARGIN,
                         access_log=access_log,
                         task_status=task_status,
                     )
                 finally:
                     served.set()
 
+            async def grace_on_shutdown() -> None:
+                await shutdown.wait()
+                app.begin_shutdown(shutdown_grace)
+
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch_engines)
+                tg.start_soon(grace_on_shutdown)
                 app.port = await tg.start(serve)
                 serving = True
                 if freeze_gc:
