@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from trio_vllm.reference_engine import MODEL_DIR, TINY_LLAMA_DIR
+
 from ._bpe import write_bpe_model_dir
 
 CLI = [sys.executable, "-m", "trio_vllm.cli", "generate"]
@@ -186,7 +188,7 @@ def test_token_prompt_and_seeded_sampling_is_reproducible() -> None:
         (("--prompt-token-ids", "1,x"), "comma-separated ints"),
         (("hi", "--engine", "vllm"), "needs --model"),
         (("hi", "--engine", "vllm", "--model", "m"), "needs --vllm-python"),
-        (("hi", "--connect", "127.0.0.1:5"), "tcp://HOST:PORT"),
+        (("--prompt-token-ids", "1", "--connect", "127.0.0.1:5"), "tcp://HOST:PORT"),
         (("hi", "--max-tokens", "0"), "at least 1"),
         (("hi", "--model", "gpt"), "echo and tiny"),
         (("hi", "--top-p", "2"), "--top-p must be in (0, 1]"),
@@ -330,6 +332,8 @@ def test_connect_waits_for_an_engine_started_elsewhere() -> None:
             address,
             "--engines",
             "1",
+            "--model",  # the engines' model directory: text needs its tokenizer
+            MODEL_DIR,
             "abcd",
             "--max-tokens",
             "8",
@@ -367,3 +371,56 @@ def test_connect_waits_for_an_engine_started_elsewhere() -> None:
     assert cli.returncode == 0, err
     assert out == "abcdabcd\n"
     assert "1/1 ready" in err
+
+
+def test_connect_without_model_sends_ids_unchecked_and_prints_ids() -> None:
+    # The engine stands in for tiny-llama (512 ids); the command knows nothing of its
+    # model: 510 (outside the bundled reference vocabulary) goes out as it is.
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    cli = subprocess.Popen(
+        [*CLI, "--connect", address, "--prompt-token-ids", "510,3,7", "--max-tokens", "6",
+         "--ready-timeout", "90"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "trio_vllm.reference_engine", "--handshake-address", address,
+         "--model", "echo", "--model-dir", TINY_LLAMA_DIR],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        out, err = cli.communicate(timeout=100)
+    finally:
+        for p in (cli, engine):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert cli.returncode == 0, err
+    assert out == "510 3 7 510 3 7\n"  # the echo model's ids, not text
+    assert "6 tokens, finish_reason=length" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("hello",), "text prompts need a tokenizer; with --connect and no --model"),
+        (("--chat", "hi"), "give --model DIR"),
+        (("--prompt-token-ids", "1", "--stop", "x"), "--stop needs a tokenizer"),
+        (("--prompt-token-ids", "1", "--n", "2"), "--n > 1 needs a tokenizer"),
+        (("--prompt-token-ids", "510", "--vocab-size", "500"),
+         "token id 510 is out of vocabulary (--vocab-size 500)"),
+    ],
+)  # fmt: skip
+def test_connect_without_model_refuses_what_needs_a_tokenizer(
+    args: tuple[str, ...], message: str
+) -> None:
+    result = run("--connect", "tcp://127.0.0.1:1", *args, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "connected" not in result.stderr  # refused before waiting for engines
+
+
+def test_vocab_size_goes_with_connect_and_no_model() -> None:
+    result = run("--prompt-token-ids", "1", "--vocab-size", "5", timeout=60)
+    assert result.returncode == 2
+    assert "--vocab-size goes with --connect and no --model" in result.stderr

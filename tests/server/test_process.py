@@ -297,7 +297,8 @@ async def test_api_key_from_the_environment(anyio_backend: str) -> None:
 
 async def test_usage_errors_exit_2(anyio_backend: str) -> None:
     for args in (["--engine", "vllm"], ["--model", "/no/such/dir"], ["--engines", "0"],
-                 ["--override-generation-config", "[1]"]):  # fmt: skip
+                 ["--override-generation-config", "[1]"],
+                 ["--connect", "tcp://127.0.0.1:1"]):  # fmt: skip
         done = await anyio.run_process(
             [sys.executable, "-m", "trio_vllm.cli", "serve", *args], check=False
         )
@@ -341,7 +342,9 @@ async def test_connect_to_an_engine_started_elsewhere(anyio_backend: str) -> Non
         stdin=None, stdout=None, stderr=None,
     )  # fmt: skip
     try:
-        async with cli_server("--connect", f"tcp://127.0.0.1:{port}", "--engines", "1") as server:
+        async with cli_server(
+            "--connect", f"tcp://127.0.0.1:{port}", "--engines", "1", "--model", MODEL_DIR
+        ) as server:
             assert server.engine_pids() == []  # nothing spawned
             status, _, data = await raw_request(
                 server.port, "POST", "/v1/completions", b'{"prompt": "far", "max_tokens": 3}',

@@ -176,6 +176,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         plan = _engine_plan(args)
+        if plan.model_dir is None:
+            raise UsageError(
+                "--connect without --model: the server renders text and chat with the "
+                "engines' model directory (tokenizer, chat template); give --model DIR"
+            )
         engines = engine_source(args, plan)
         if not 0 <= args.port <= 65535:
             raise UsageError(f"--port must be in [0, 65535], got {args.port}")
