@@ -22,9 +22,17 @@ CLI = [sys.executable, "-m", "trio_vllm.cli", "generate"]
 LONG = "--max-model-len 1000000 --num-gpu-blocks 1000000"
 
 
-def run(*args: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, timeout: float = 100, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    # Standard input is empty unless given: a prompt-less command reads it (as a filter).
     return subprocess.run(
-        [*CLI, *args], capture_output=True, text=True, timeout=timeout, check=False
+        [*CLI, *args],
+        input="" if stdin is None else stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 
@@ -424,3 +432,44 @@ def test_vocab_size_goes_with_connect_and_no_model() -> None:
     result = run("--prompt-token-ids", "1", "--vocab-size", "5", timeout=60)
     assert result.returncode == 2
     assert "--vocab-size goes with --connect and no --model" in result.stderr
+
+
+def test_prompts_from_standard_input_one_per_line() -> None:
+    result = run("first", "-", "last", "--max-tokens", "2", "--json", "-q", stdin="ab\n\ncd\n")
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(d["prompt_index"], d["text"]) for d in lines] == [
+        (0, "fi"), (1, "ab"), (2, "cd"), (3, "la"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("prompts", "ids", "tty", "text", "expected"),
+    [
+        ([], [], False, "a\n\nb\n", ["a", "b"]),  # no prompt, a pipe: read it
+        ([], [], True, "a\n", []),  # a terminal: no waiting for typed input
+        ([], ["1"], False, "a\n", []),  # ids given: standard input left alone
+        (["x", "-"], [], True, "a\nb", ["x", "a", "b"]),  # '-' reads even a terminal
+        (["x"], [], False, "a\n", ["x"]),
+    ],
+)
+def test_which_prompts_come_from_standard_input(
+    monkeypatch: pytest.MonkeyPatch,
+    prompts: list[str],
+    ids: list[str],
+    tty: bool,
+    text: str,
+    expected: list[str],
+) -> None:
+    import argparse
+    import io
+
+    from trio_vllm.cli._generate import _text_prompts
+
+    class _Stdin(io.StringIO):
+        def isatty(self) -> bool:
+            return tty
+
+    monkeypatch.setattr(sys, "stdin", _Stdin(text))
+    args = argparse.Namespace(prompts=prompts, prompt_token_ids=ids)
+    assert _text_prompts(args) == expected

@@ -102,7 +102,13 @@ def add_generate_parser(commands: Any) -> None:
         )
     finally:
         commands._parser_class = base
-    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="text prompt(s)")
+    p.add_argument(
+        "prompts",
+        nargs="*",
+        metavar="PROMPT",
+        help="text prompt(s); '-' (or no prompt at all, with standard input not a terminal) "
+        "reads prompts from standard input, one per line",
+    )
     p.add_argument(
         "--prompt-token-ids",
         action="append",
@@ -244,12 +250,36 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**values)
 
 
+def _stdin_prompts() -> list[str]:
+    """Prompts from standard input, one per line (blank lines skipped), as Unix filters
+    read their input."""
+    return [line for line in sys.stdin.read().splitlines() if line.strip()]
+
+
+def _text_prompts(args: argparse.Namespace) -> list[str]:
+    """The PROMPT arguments, with '-' replaced by standard input's lines; with no prompt
+    at all (nor ids) and standard input not a terminal, those lines alone."""
+    if not args.prompts:
+        if args.prompt_token_ids or sys.stdin is None or sys.stdin.isatty():
+            return []
+        return _stdin_prompts()
+    if "-" not in args.prompts:
+        return list(args.prompts)
+    if args.prompts.count("-") > 1:
+        raise UsageError("'-' (standard input) may be given once")
+    at = args.prompts.index("-")
+    return [*args.prompts[:at], *_stdin_prompts(), *args.prompts[at + 1 :]]
+
+
 def _plan(args: argparse.Namespace) -> _Plan:
     engines = engine_plan(args)
+    args.prompts = _text_prompts(args)
     prompts: list[str | list[int]] = list(args.prompts)
     prompts += [_parse_ids(ids) for ids in args.prompt_token_ids]
     if not prompts:
-        raise UsageError("give a PROMPT or --prompt-token-ids")
+        raise UsageError(
+            "give a PROMPT, --prompt-token-ids, or prompts on standard input (one per line)"
+        )
     messages = None
     if args.chat:
         if args.prompt_token_ids:
