@@ -10,6 +10,7 @@ of `delta_ids`), and returns every result as plain JSON data.
 from __future__ import annotations
 
 import json
+import zlib
 from typing import Any
 
 # Marker tokens of the fake vocabulary (Qwen2.5/Llama 3 ids); any other text is one
@@ -20,8 +21,12 @@ VOCAB: dict[str, int] = {
     "<think>": 151667,
     "</think>": 151668,
     "<|python_tag|>": 128010,
+    "<|im_start|>": 151644,
+    "<|im_end|>": 151645,
 }
-PLAIN_TOKEN = 1000
+# Text between markers: one token per stretch, its id derived from the text (the same
+# on both sides, whatever order the cases run in); `FakeTokenizer.decode` reads it back.
+_PLAIN: dict[int, str] = {}
 
 
 class FakeTokenizer:
@@ -34,8 +39,18 @@ class FakeTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return VOCAB.get(token)
 
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        by_id = {v: k for k, v in VOCAB.items()}
+        return "".join(by_id[i] if i in by_id else _PLAIN[i] for i in ids)
+
     def __len__(self) -> int:
-        return 152000
+        return 300000
+
+
+def _plain_id(text: str) -> int:
+    token_id = 200000 + zlib.crc32(text.encode()) % 90000
+    _PLAIN[token_id] = text
+    return token_id
 
 
 def delta_ids(text: str) -> list[int]:
@@ -46,11 +61,11 @@ def delta_ids(text: str) -> list[int]:
     while rest:
         found = [(rest.find(m), m) for m in VOCAB if m in rest]
         if not found:
-            ids.append(PLAIN_TOKEN)
+            ids.append(_plain_id(rest))
             break
         pos, marker = min(found)
         if pos:
-            ids.append(PLAIN_TOKEN)
+            ids.append(_plain_id(rest[:pos]))
         ids.append(VOCAB[marker])
         rest = rest[pos + len(marker) :]
     return ids
@@ -144,6 +159,34 @@ REASONING_CASES: list[tuple[str, str, list[str]]] = [
     ("deepseek_r1", "end-without-content", ["<think>", "x", "</think>"]),
     ("deepseek_r1", "no-markers", ["just ", "text"]),
     ("deepseek_r1", "start-token-with-text", ["<think>hm", " ok", "</think>", "done"]),
+    (
+        "qwen3",
+        "start-end-content",
+        ["<think>", "\n", "Let me ", "think.", "\n", "</think>", "\n\n", "The ", "answer."],
+    ),
+    ("qwen3", "no-start-token", ["Reason", "ing", "</think>", "Answer"]),
+    ("qwen3", "end-inside-delta", ["<think>", "abc</think>def", " more"]),
+    ("qwen3", "start-and-end-in-one-delta", ["<think>ab</think>cd", "ef"]),
+    ("qwen3", "no-end", ["<think>", "still ", "thinking"]),
+    ("qwen3", "end-without-content", ["<think>", "x", "</think>"]),
+    ("qwen3", "whitespace-content-at-end", ["<think>", "x", "</think>", "\n\n"]),
+    ("qwen3", "no-markers", ["just ", "text"]),
+    (
+        "qwen3",
+        "tool-call-ends-reasoning",
+        ["<think>", "plan", "</think>", "\n", "<tool_call>", '\n{"name": "f"}\n', "</tool_call>"],
+    ),
+    ("qwen3", "tool-call-without-end", ["<think>", "plan ", "<tool_call>", "{}", "</tool_call>"]),
+    ("qwen3", "marker-text-split-across-deltas", ["ab</th", "ink>cd"]),
+    ("qwen3", "partial-marker-at-end", ["<think>", "x </thi"]),
+    ("qwen3", "angle-brackets", ["a < b > c", " <fun", "ction=x>", " </think> y>"]),
+    (
+        "qwen3",
+        "second-end-and-start-in-content",
+        ["r", "</think>", "c1", "</think>", "<think>", "c2"],
+    ),
+    ("qwen3_nothink", "markers-are-content", ["<think>", "a", "</think>", "b"]),
+    ("qwen3_nothink", "plain", ["\n", "hello"]),
 ]
 
 
@@ -206,6 +249,10 @@ def drive_reasoning_parser(make: Any, to_data: Any, deltas: list[str]) -> dict[s
         )
         stream.append(None if result is None else _plain(to_data(result)))
         previous_text, previous_ids = current_text, current_ids
+    finish = getattr(parser, "finish_streaming", None)
+    if finish is not None:
+        result = finish()
+        stream.append({"finish": None if result is None else _plain(to_data(result))})
     all_ids = [i for d in deltas for i in delta_ids(d)]
     return {
         "extracted": [reasoning, content],

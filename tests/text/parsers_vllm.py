@@ -27,7 +27,18 @@ def main() -> None:
         "llama3_json": Llama3JsonToolParser,
         "pythonic": PythonicToolParser,
     }
-    reasoning_classes = {"deepseek_r1": DeepSeekR1ReasoningParser}
+    from vllm.reasoning.qwen3_engine_reasoning_parser import Qwen3ParserReasoningAdapter
+
+    def qwen3_nothink(tokenizer: object) -> object:
+        return Qwen3ParserReasoningAdapter(
+            tokenizer, chat_template_kwargs={"enable_thinking": False}
+        )
+
+    reasoning_classes = {
+        "deepseek_r1": DeepSeekR1ReasoningParser,
+        "qwen3": Qwen3ParserReasoningAdapter,
+        "qwen3_nothink": qwen3_nothink,
+    }
     tokenizer = parser_cases.FakeTokenizer()
 
     def to_data(result: object) -> object:

@@ -42,9 +42,13 @@ def ours_tools(name: str, deltas: list[str]) -> dict[str, Any]:
 
 
 def ours_reasoning(name: str, deltas: list[str]) -> dict[str, Any]:
-    cls = reasoning_parser_class(name)
+    # "qwen3_nothink": qwen3 with the request's enable_thinking=False.
+    kwargs = {"enable_thinking": False} if name == "qwen3_nothink" else None
+    cls = reasoning_parser_class(name.removesuffix("_nothink"))
     tokenizer = parser_cases.FakeTokenizer()
-    return parser_cases.drive_reasoning_parser(lambda: cls(tokenizer), _to_data, deltas)
+    return parser_cases.drive_reasoning_parser(
+        lambda: cls(tokenizer, chat_template_kwargs=kwargs), _to_data, deltas
+    )
 
 
 @pytest.mark.parametrize(

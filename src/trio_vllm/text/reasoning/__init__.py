@@ -1,4 +1,4 @@
-"""Reasoning parsers: vLLM 0.32's ``deepseek_r1``, sans-I/O.
+"""Reasoning parsers: vLLM 0.32's ``deepseek_r1`` and ``qwen3``, sans-I/O.
 
 One parser per request, built with the model's tokenizer (anything with
 ``token_to_id``): ``extract_reasoning(text)`` -> ``(reasoning, content)``, or
@@ -11,10 +11,12 @@ from __future__ import annotations
 from ._base import ReasoningParser as ReasoningParser
 from ._base import ThinkingReasoningParser as ThinkingReasoningParser
 from ._deepseek_r1 import DeepSeekR1ReasoningParser as DeepSeekR1ReasoningParser
+from ._qwen3 import Qwen3ReasoningParser as Qwen3ReasoningParser
 
 #: ``--reasoning-parser`` names (vLLM's spelling) -> parser class.
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "qwen3": Qwen3ReasoningParser,
 }
 
 
@@ -30,6 +32,7 @@ def reasoning_parser_class(name: str) -> type[ReasoningParser]:
 __all__ = [
     "REASONING_PARSERS",
     "DeepSeekR1ReasoningParser",
+    "Qwen3ReasoningParser",
     "ReasoningParser",
     "ThinkingReasoningParser",
     "reasoning_parser_class",

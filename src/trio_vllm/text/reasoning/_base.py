@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ..tools._types import DeltaMessage
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     from ..tools._base import TokenLookup
 
@@ -22,10 +22,14 @@ __all__ = ["ReasoningParser", "ThinkingReasoningParser"]
 
 
 class ReasoningParser:
-    """Base of the reasoning parsers; one per request (streaming keeps state)."""
+    """Base of the reasoning parsers; one per request (streaming keeps state).
+    ``chat_template_kwargs`` are the request's (``qwen3`` reads ``enable_thinking``)."""
 
-    def __init__(self, tokenizer: TokenLookup) -> None:
+    def __init__(
+        self, tokenizer: TokenLookup, *, chat_template_kwargs: Mapping[str, object] | None = None
+    ) -> None:
         self.tokenizer = tokenizer
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
 
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
         """Whether the reasoning section has ended in these token ids."""
@@ -60,8 +64,10 @@ class ThinkingReasoningParser(ReasoningParser):
     start_token = "<think>"
     end_token = "</think>"
 
-    def __init__(self, tokenizer: TokenLookup) -> None:
-        super().__init__(tokenizer)
+    def __init__(
+        self, tokenizer: TokenLookup, *, chat_template_kwargs: Mapping[str, object] | None = None
+    ) -> None:
+        super().__init__(tokenizer, chat_template_kwargs=chat_template_kwargs)
         start_id = tokenizer.token_to_id(self.start_token)
         end_id = tokenizer.token_to_id(self.end_token)
         if start_id is None or end_id is None:
