@@ -684,6 +684,8 @@ async def open_client(
                         f"cannot talk to {source_set.describe()}: {exc}. Pin a profile with "
                         "open_client(profile=...) only if you know the wire layout matches."
                     ) from exc
+                wire.client_index = source_set.sources[0].client_index
+                wire.client_count = source_set.sources[0].client_count
                 wire.set_limits(connected.complete.ready_responses)
                 wire.vocab_size = resolved["vocab_size"]
                 client = EngineCoreClient(

@@ -95,6 +95,12 @@ class SourceSet:
                     )
                 seen[rank] = source
         self.ranks = sorted(seen)
+        attached = [s for s in self.sources if s.client_count > 1 or s.client_index > 0]
+        if attached and len(self.sources) > 1:
+            raise ValueError(
+                "AttachedEngines cannot be combined with other engine sources: a client "
+                "attached to shared engines has exactly those engines"
+            )
         self.layouts = [source.layout() for source in self.sources]
 
     def describe(self) -> str:
@@ -133,6 +139,7 @@ class Sockets:
         self.hang_ranks: dict[str, list[int]] = {}
         # layout key -> (bound input, advertised input, advertised output)
         self._data: dict[tuple[str | None, str | None, int], tuple[str, str, str]] = {}
+
         self._watched = itertools.count()
         self._handshakes = itertools.count()
         try:
@@ -184,9 +191,15 @@ class Sockets:
         hang_watched = self.heartbeat is not None and not layout.watch_disconnects
         own = next(self._watched) if layout.watch_disconnects or hang_watched else -1
         key = (layout.data_host, layout.data_bind_host, own)
+        if layout.attach is not None:
+            key = (*layout.attach, own)
         if key not in self._data:
             suffix = str(len(self._data) or "")
-            if layout.data_host is None:
+            if layout.attach is not None:
+                bound_in = _bind(self.input, layout.attach[0], "input")
+                bound_out = _bind(self.output, layout.attach[1], "output")
+                self._data[key] = (bound_in, bound_in, bound_out)
+            elif layout.data_host is None:
                 bound_in = _bind(self.input, self.ipc_dir.endpoint(f"input{suffix}"), "input")
                 bound_out = _bind(self.output, self.ipc_dir.endpoint(f"output{suffix}"), "output")
                 self._data[key] = (bound_in, bound_in, bound_out)
@@ -215,6 +228,9 @@ class Sockets:
         binds: dict[str, str] = {}
         addresses: list[str] = []
         for layout in layouts:
+            if layout.attach is not None:
+                addresses.append("")  # attached: the sharing process did the handshake
+                continue
             wanted = layout.handshake_bind or "ipc"
             if wanted not in binds or wanted.endswith(":0"):
                 if layout.handshake_bind is None:
@@ -234,7 +250,7 @@ class Sockets:
         for i, (_bound, advertised_in, advertised_out) in enumerate(self._data.values()):
             found[f"input{i or ''}"] = advertised_in
             found[f"output{i or ''}"] = advertised_out
-        for i, address in enumerate(handshakes):
+        for i, address in enumerate(a for a in handshakes if a):
             found[f"handshake{i or ''}"] = address
         return found
 
@@ -485,6 +501,7 @@ def handshake_parts(
                 outputs=[source_output],
                 expect_local=layout.expect_local,
                 expect_headless=layout.expect_headless,
+                stage="both" if layout.attach is None else "input",
             )
         )
     return parts, watched
