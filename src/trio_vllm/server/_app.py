@@ -53,6 +53,12 @@ from ._schemas import (
     ModelList,
     ModelPermission,
 )
+from ._tokenize import (
+    decode_detokenize_request,
+    decode_tokenize_request,
+    detokenize_response,
+    tokenize_response,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -159,6 +165,8 @@ class OpenAIServer:
             "/v1/completions": ("POST", self._completions),
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/models": ("GET", self._models),
+            "/tokenize": ("POST", self._tokenize),
+            "/detokenize": ("POST", self._detokenize),
             "/health": ("GET", self._health),
             "/ping": ("GET", self._health),
             "/version": ("GET", self._version),
@@ -296,6 +304,39 @@ class OpenAIServer:
         await send_bytes(send, 200, body, [(b"content-type", content_type.encode())])
         return 200
 
+    # ------------------------------------------------------------------ tokenizer
+
+    async def _tokenize(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        return await self._tokenizer_call(scope, receive, send, detokenize=False)
+
+    async def _detokenize(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        return await self._tokenizer_call(scope, receive, send, detokenize=True)
+
+    async def _tokenizer_call(
+        self, scope: Scope, receive: ASGIReceive, send: ASGISend, *, detokenize: bool
+    ) -> int:
+        """``/tokenize`` or ``/detokenize``: the text layer's answer, no engine call."""
+        try:
+            body = await read_body(scope, receive, self.max_body_bytes)
+        except ClientDisconnected:
+            return 0
+        try:
+            _check_json(scope)
+            answer: object
+            if detokenize:
+                dreq = decode_detokenize_request(body)
+                self._check_model(dreq.model)
+                answer = detokenize_response(self.llm, dreq)
+            else:
+                treq = decode_tokenize_request(body)
+                self._check_model(treq.model)
+                answer = tokenize_response(self.llm, treq)
+        except HTTPError as exc:
+            await send_error(send, exc)
+            return exc.status
+        await send_bytes(send, 200, encode(answer))
+        return 200
+
     # ------------------------------------------------------------------ generation
 
     async def _completions(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
@@ -305,12 +346,7 @@ class OpenAIServer:
         return await self._generation("chat", scope, receive, send)
 
     def _decode(self, kind: str, scope: Scope, body: bytes) -> tuple[Any, dict[str, object]]:
-        content_type = header(scope, b"content-type") or b""
-        if content_type.split(b";", 1)[0].strip().lower() != _JSON_CT:
-            raise HTTPError(
-                "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
-                err_type="Bad Request",
-            )
+        _check_json(scope)
         try:
             raw = _RAW_KEYS.decode(body)
         except msgspec.ValidationError:
@@ -531,6 +567,16 @@ class OpenAIServer:
                         pumps.start_soon(pump, idx)
             except BaseExceptionGroup as group:
                 raise _first_error(group) from None
+
+
+def _check_json(scope: Scope) -> None:
+    """vLLM's ``validate_json_request``: only ``application/json`` bodies."""
+    content_type = header(scope, b"content-type") or b""
+    if content_type.split(b";", 1)[0].strip().lower() != _JSON_CT:
+        raise HTTPError(
+            "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+            err_type="Bad Request",
+        )
 
 
 class _Outcome:
