@@ -51,8 +51,14 @@ def test_connect_without_model_sends_any_id_below_the_engines_vocabulary() -> No
         if cli.poll() is None:
             cli.kill()
             cli.wait()
+        # SIGTERM to the launcher's group, with time to unlink its shared memory (the
+        # tier's fixture checks /dev/shm); SIGKILL only if it does not exit.
         if engine.poll() is None:
-            os.killpg(engine.pid, signal.SIGKILL)
+            os.killpg(engine.pid, signal.SIGTERM)
+            try:
+                engine.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(engine.pid, signal.SIGKILL)
         engine.wait()
     assert cli.returncode == 0, err
     first, second = (json.loads(line) for line in out.splitlines())
