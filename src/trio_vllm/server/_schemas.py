@@ -41,6 +41,8 @@ __all__ = [
     "ModelCard",
     "ModelList",
     "ModelPermission",
+    "PromptLogprob",
+    "PromptLogprobsJSON",
     "StreamOptions",
     "StreamUsage",
     "UsageInfo",
@@ -83,6 +85,7 @@ class _SamplingFields(Struct, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
     request_id: str | None = None
     return_token_ids: bool | None = None
@@ -130,7 +133,6 @@ UNSUPPORTED_FIELDS: dict[str, object] = {
     "response_format": None,
     "structured_outputs": None,
     "logprob_token_ids": None,
-    "prompt_logprobs": None,
     "prompt_embeds": None,
     "truncate_prompt_tokens": None,
     "kv_transfer_params": None,
@@ -178,6 +180,19 @@ class CompletionLogProbs(Struct):
     top_logprobs: list[dict[str, float] | None]
 
 
+class PromptLogprob(Struct):
+    """One entry of ``prompt_logprobs`` (vLLM's ``Logprob`` dataclass as JSON)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+#: ``prompt_logprobs`` as vLLM answers it: per prompt position ``null`` (the first) or
+#: ``{token id (a JSON key): Logprob}``.
+PromptLogprobsJSON = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionResponseChoice(Struct):
     index: int
     text: str
@@ -185,7 +200,7 @@ class CompletionResponseChoice(Struct):
     finish_reason: str | None
     stop_reason: int | str | None
     token_ids: list[int] | None = None
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
     prompt_token_ids: list[int] | None = None
     routed_experts: None = None
 
@@ -271,7 +286,7 @@ class ChatCompletionResponse(Struct):
     service_tier: None
     system_fingerprint: str | None
     usage: UsageInfo
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
     kv_transfer_params: None = None
