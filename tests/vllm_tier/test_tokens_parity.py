@@ -4,11 +4,14 @@ logprob values to 1e-5; refusals by status and message).
 
 Both servers run the tiny model (dummy weights, seeded) in turn, as in
 test_serve_parity.py; every stock vLLM process runs under ``flock`` on
-/work/locks/vllm.lock when that lock exists (the shared machine's rule).
+/work/locks/vllm.lock when that lock exists (the shared machine's rule), held by this
+process (`vllm_lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import math
 import os
 import subprocess
@@ -23,7 +26,7 @@ from .conftest import ENGINE_ENV, TINY_MODEL, vllm_python
 from .test_serve_parity import SERVE_ARGS, SERVED, VLLM_CLI, _free_port, _stop, _wait_healthy
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -68,8 +71,20 @@ LOGPROB_CASES: list[tuple[str, dict[str, Any]]] = [
 ]  # fmt: skip
 
 
-def _locked(argv: list[str]) -> list[str]:
-    return ["flock", str(LOCK), *argv] if LOCK.exists() else argv
+@contextlib.contextmanager
+def vllm_lock() -> Iterator[None]:
+    """The machine's stock-vLLM lock, held by this process while its stock servers or
+    engines run. Not ``flock`` around the ``Popen``: SIGTERM to ``flock`` would leave
+    its child serving, holding the lock."""
+    if not LOCK.exists():
+        yield
+        return
+    with LOCK.open() as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def serve_pair(
@@ -86,30 +101,31 @@ def serve_pair(
     env = {**os.environ, **ENGINE_ENV}
     serve_args = [*SERVE_ARGS, *engine_args]
     port = _free_port()
-    stock = subprocess.Popen(
-        _locked([python, str(VLLM_CLI), "serve", str(TINY_MODEL), "--served-model-name",
-                 SERVED, "--host", "127.0.0.1", "--port", str(port), *serve_args,
-                 *stock_args]),
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        _wait_healthy(stock, port, 900)
-        expected = run(port)
-    finally:
-        _stop(stock)
+    with vllm_lock():
+        stock = subprocess.Popen(
+            [python, str(VLLM_CLI), "serve", str(TINY_MODEL), "--served-model-name",
+             SERVED, "--host", "127.0.0.1", "--port", str(port), *serve_args, *stock_args],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            _wait_healthy(stock, port, 900)
+            expected = run(port)
+        finally:
+            _stop(stock)
     port = _free_port()
-    ours = subprocess.Popen(
-        _locked([sys.executable, "-m", "trio_vllm.cli", "serve", "--engine", "vllm",
-                 "--vllm-python", python, "--model", str(TINY_MODEL), "--served-model-name",
-                 SERVED, "--port", str(port), f"--engine-args={' '.join(serve_args)}",
-                 "--ready-timeout", "800", *our_args]),
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        _wait_healthy(ours, port, 900)
-        got = run(port)
-    finally:
-        assert _stop(ours) == 0
+    with vllm_lock():
+        ours = subprocess.Popen(
+            [sys.executable, "-m", "trio_vllm.cli", "serve", "--engine", "vllm",
+             "--vllm-python", python, "--model", str(TINY_MODEL), "--served-model-name",
+             SERVED, "--port", str(port), f"--engine-args={' '.join(serve_args)}",
+             "--ready-timeout", "800", *our_args],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            _wait_healthy(ours, port, 900)
+            got = run(port)
+        finally:
+            assert _stop(ours) == 0
     return expected, got
 
 
