@@ -51,6 +51,7 @@ from ._openai import (
     plan_completion,
 )
 from ._schemas import (
+    UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
@@ -246,7 +247,21 @@ class OpenAIServer:
     async def _http(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> None:
         path: str = scope["path"]
         route = self._routes.get(path)
+        # vLLM's authentication middleware runs before routing: with a key, any /v1 path
+        # (one it does not serve included) answers 401 to a request without the key;
+        # OPTIONS passes, as there.
+        if (
+            self._key_hashes
+            and path.startswith(_GUARDED_PREFIX)
+            and scope["method"] != "OPTIONS"
+            and not self._authorized(scope)
+        ):
+            await send_bytes(send, 401, _UNAUTHORIZED)
+            self.metrics.http_response(path if route is not None else "other", 401)
+            return
         if route is None:
+            # What `vllm serve` answers for an endpoint of its API the model lacks
+            # (embeddings, pooling, score, ... on a generative model): FastAPI's 404.
             await send_bytes(send, 404, _NOT_FOUND)
             self.metrics.http_response("other", 404)
             return
@@ -254,10 +269,6 @@ class OpenAIServer:
         if scope["method"] != method:
             await send_bytes(send, 405, _NOT_ALLOWED)
             self.metrics.http_response(path, 405)
-            return
-        if self._key_hashes and path.startswith(_GUARDED_PREFIX) and not self._authorized(scope):
-            await send_bytes(send, 401, _UNAUTHORIZED)
-            self.metrics.http_response(path, 401)
             return
         status = await handler(scope, receive, send)
         if status:
@@ -432,10 +443,14 @@ class OpenAIServer:
         unknown = raw.keys() - _FIELDS[kind]
         extra: dict[str, object] = {}
         if unknown:
-            logger.warning(
-                "The following fields were present in the request but ignored: %s",
-                sorted(unknown),
-            )
+            # vLLM's fields that trio-vllm lacks are checked (accepted when harmless,
+            # else 400), not ignored: only the rest is logged as ignored.
+            ignored = unknown - UNSUPPORTED_FIELDS.keys()
+            if ignored:
+                logger.warning(
+                    "The following fields were present in the request but ignored: %s",
+                    sorted(ignored),
+                )
             extra = {k: msgspec.json.decode(raw[k]) for k in unknown}
         return req, extra
 
