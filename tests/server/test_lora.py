@@ -152,3 +152,11 @@ async def test_lora_refused_without_lora_support(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="LoRA is not enabled"):
             await app.load_static_loras()
         assert app.loras.requests == {}
+
+
+def test_sync_llm_takes_lora_request(tmp_path: Path) -> None:
+    engines = tv.ReferenceEngines(1, model="echo", extra_args=["--max-loras", "1"])
+    with tv.SyncLLM(engines) as llm:
+        lora = LoRARequest("s", 3, str(tmp_path))
+        out = llm.generate_final("ab", SamplingParams(max_tokens=2), lora_request=lora)
+        assert out.outputs[0].token_ids
