@@ -35,6 +35,12 @@ from ._http import (
     send_bytes,
     send_error,
 )
+from ._lora import (
+    LoadLoRAAdapterRequest,
+    LoRAAdapters,
+    UnloadLoRAAdapterRequest,
+    runtime_lora_updating_allowed,
+)
 from ._metrics import ServerMetrics
 from ._openai import (
     DONE,
@@ -65,8 +71,12 @@ if TYPE_CHECKING:
 
     _Endpoint = Callable[[Scope, ASGIReceive, ASGISend], Awaitable[int]]
 
-    from ..text import RequestOutput
-    from ._frontend import TextFrontend
+    from contextlib import AbstractAsyncContextManager
+
+    from ..protocol import SamplingParams
+    from ..text import RequestOutput, TokensPrompt
+    from ._frontend import OutputStreamLike, TextFrontend
+    from ._lora import LoRAModulePath
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "OpenAIServer"]
 
@@ -88,6 +98,8 @@ _FIELDS = {
     "chat": frozenset(ChatCompletionRequest.__struct_fields__),
 }
 _RAW_KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_LOAD_LORA = msgspec.json.Decoder(LoadLoRAAdapterRequest, strict=False)
+_UNLOAD_LORA = msgspec.json.Decoder(UnloadLoRAAdapterRequest, strict=False)
 _DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
     "completion": msgspec.json.Decoder(CompletionRequest, strict=False),
     "chat": msgspec.json.Decoder(ChatCompletionRequest, strict=False),
@@ -139,6 +151,8 @@ class OpenAIServer:
         model_root: str | None = None,
         system_fingerprint: str | None = f"trio-vllm-{__version__}",
         merge_outputs: bool = False,
+        lora_modules: Sequence[LoRAModulePath] = (),
+        allow_runtime_lora_updating: bool | None = None,
     ) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
@@ -161,6 +175,9 @@ class OpenAIServer:
         self._open: dict[int, _Open] = {}
         self._next = 0
         self._created = int(time.time())
+        self.loras = LoRAAdapters(names)
+        self._static_loras = list(lora_modules)
+        self._lora_lock = anyio.Lock()
         self._routes: dict[str, tuple[str, _Endpoint]] = {
             "/v1/completions": ("POST", self._completions),
             "/v1/chat/completions": ("POST", self._chat),
@@ -172,6 +189,15 @@ class OpenAIServer:
             "/version": ("GET", self._version),
             "/metrics": ("GET", self._metrics),
         }
+        if allow_runtime_lora_updating is None:
+            allow_runtime_lora_updating = runtime_lora_updating_allowed()
+        if allow_runtime_lora_updating:
+            logger.warning(
+                "LoRA dynamic loading & unloading is enabled in the API server. "
+                "This should ONLY be used for local development!"
+            )
+            self._routes["/v1/load_lora_adapter"] = ("POST", self._load_lora)
+            self._routes["/v1/unload_lora_adapter"] = ("POST", self._unload_lora)
 
     # ------------------------------------------------------------------ state
 
@@ -204,6 +230,22 @@ class OpenAIServer:
     def open_requests(self) -> list[str]:
         """Request ids of the generation requests in flight (the server's registry)."""
         return [o.request_id for o in self._open.values()]
+
+    async def load_static_loras(self) -> None:
+        """Load the ``lora_modules`` on the engines, in order (vLLM's
+        ``init_static_loras``). Raises ``ValueError`` with the first failure's message.
+        Cancellation: the adapters loaded so far stay served."""
+        for module in self._static_loras:
+            request = LoadLoRAAdapterRequest(
+                lora_name=module.name,
+                lora_path=module.path,
+                is_3d_lora_weight=module.is_3d_lora_weight,
+            )
+            async with self._lora_lock:
+                try:
+                    await self.loras.load(self.llm.client, request, module.base_model_name)
+                except HTTPError as exc:
+                    raise ValueError(exc.message) from None
 
     # ------------------------------------------------------------------ ASGI
 
@@ -296,12 +338,64 @@ class OpenAIServer:
             )
             for name in self.model_names
         ]
+        cards.extend(
+            ModelCard(
+                id=lora.lora_name,
+                object="model",
+                created=self._created,
+                owned_by="vllm",
+                root=lora.lora_path,
+                parent=lora.base_model_name or self.model_names[0],
+                max_model_len=None,
+                permission=[
+                    ModelPermission(
+                        f"modelperm-{secrets.token_hex(16)}", "model_permission", self._created
+                    )
+                ],
+            )
+            for lora in self.loras.requests.values()
+        )
         await send_bytes(send, 200, encode(ModelList("list", cards)))
         return 200
 
     async def _metrics(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
         body, content_type = self.metrics.render()
         await send_bytes(send, 200, body, [(b"content-type", content_type.encode())])
+        return 200
+
+    # ------------------------------------------------------------------ LoRA
+
+    async def _load_lora(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        return await self._lora_call(scope, receive, send, load=True)
+
+    async def _unload_lora(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        return await self._lora_call(scope, receive, send, load=False)
+
+    async def _lora_call(
+        self, scope: Scope, receive: ASGIReceive, send: ASGISend, *, load: bool
+    ) -> int:
+        """``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``: vLLM's plain-text
+        success answer, its JSON errors. One load or unload at a time (vLLM locks per
+        name; one lock is simpler and these are rare)."""
+        try:
+            body = await read_body(scope, receive, self.max_body_bytes)
+        except ClientDisconnected:
+            return 0
+        try:
+            _check_json(scope)
+            try:
+                req = (_LOAD_LORA if load else _UNLOAD_LORA).decode(body)
+            except msgspec.DecodeError as exc:  # ValidationError included
+                raise HTTPError(f"1 validation error:\n  {exc}", err_type="Bad Request") from None
+            async with self._lora_lock:
+                if isinstance(req, LoadLoRAAdapterRequest):
+                    text = await self.loras.load(self.llm.client, req)
+                else:
+                    text = self.loras.unload(req)
+        except HTTPError as exc:
+            await send_error(send, exc)
+            return exc.status
+        await send_bytes(send, 200, text.encode(), [])
         return 200
 
     # ------------------------------------------------------------------ tokenizer
@@ -438,8 +532,11 @@ class OpenAIServer:
             self.metrics.request_ended()
 
     def _check_model(self, model: str | None) -> str:
+        """The name responses carry: the first served name, or a LoRA adapter's."""
         if not model or model in self._name_set:
             return self.model_names[0]
+        if model in self.loras.requests:
+            return model
         raise HTTPError(
             f"The model `{model}` does not exist. Valid aliases: {', '.join(self.model_names)}.",
             404,
@@ -486,8 +583,8 @@ class OpenAIServer:
         last = b""  # the final output's events: they go out with the tail, one send fewer
         try:
             if len(plan.prompts) == 1:  # the common case, without the stack and the pumps
-                async with self.llm.generate(
-                    plan.prompts[0], plan.params[0], request_id=plan.engine_ids[0]
+                async with self._generate(
+                    plan.prompts[0], plan.params[0], plan.engine_ids[0], plan.model
                 ) as stream:
                     if plan.stream:
                         await send(_SSE_START)
@@ -527,6 +624,15 @@ class OpenAIServer:
         else:
             await send_bytes(send, 200, tail)
 
+    def _generate(
+        self, prompt: TokensPrompt, params: SamplingParams, engine_id: str, model: str
+    ) -> AbstractAsyncContextManager[OutputStreamLike]:
+        """The frontend's ``generate``, with the adapter ``model`` names (if any)."""
+        lora = self.loras.get(model)
+        if lora is None:  # keyword left off: frontends without LoRA need not take it
+            return self.llm.generate(prompt, params, request_id=engine_id)
+        return self.llm.generate(prompt, params, request_id=engine_id, lora_request=lora)
+
     async def _run_batch(
         self,
         plan: GenerationPlan,
@@ -540,7 +646,7 @@ class OpenAIServer:
         async with AsyncExitStack() as stack:
             streams = [
                 await stack.enter_async_context(
-                    self.llm.generate(prompt, params, request_id=engine_id)
+                    self._generate(prompt, params, engine_id, plan.model)
                 )
                 for prompt, params, engine_id in zip(
                     plan.prompts, plan.params, plan.engine_ids, strict=True

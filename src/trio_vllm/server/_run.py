@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from ..client import ClientOptions, EngineSource
     from ._frontend import TextFrontend
+    from ._lora import LoRAModulePath
 
 __all__ = ["run_openai_server"]
 
@@ -48,6 +49,8 @@ async def run_openai_server(
     generation_config: str | os.PathLike[str] = "auto",
     override_generation_config: Mapping[str, object] | None = None,
     client_options: ClientOptions | None = None,
+    lora_modules: Sequence[LoRAModulePath] = (),
+    allow_runtime_lora_updating: bool | None = None,
     stop: anyio.Event | None = None,
     task_status: TaskStatus[OpenAIServer] = anyio.TASK_STATUS_IGNORED,
 ) -> int:
@@ -64,11 +67,13 @@ async def run_openai_server(
     app once it listens (``app.port`` is the bound port). ``generation_config`` and
     ``override_generation_config`` are `open_llm`'s (vLLM's ``--generation-config`` and
     ``--override-generation-config``), ``client_options`` its `ClientOptions`;
-    ``merge_outputs`` is `OpenAIServer`'s. With ``freeze_gc`` the startup heap (imports,
-    tokenizer, engines' handshake) is collected once and frozen (``gc.freeze()``) when the
-    server listens, as ``vllm serve`` does: the collector then never walks it again while
-    serving. The process keeps it frozen after the call returns (``trio-vllm serve`` always
-    passes it).
+    ``merge_outputs``, ``lora_modules`` and ``allow_runtime_lora_updating`` are
+    `OpenAIServer`'s (the adapters are loaded on the engines before the server
+    listens; one that fails to load raises ``ValueError``). With
+    ``freeze_gc`` the startup heap (imports, tokenizer, engines' handshake) is collected
+    once and frozen (``gc.freeze()``) when the server listens, as ``vllm serve`` does:
+    the collector then never walks it again while serving. The process keeps it frozen
+    after the call returns (``trio-vllm serve`` always passes it).
 
     Raises:
         EngineStartupError: the engines did not start.
@@ -121,7 +126,10 @@ async def run_openai_server(
                 max_body_bytes=max_body_bytes,
                 model_root=None if model is None else str(model),
                 merge_outputs=merge_outputs,
+                lora_modules=lora_modules,
+                allow_runtime_lora_updating=allow_runtime_lora_updating,
             )
+            await app.load_static_loras()
 
             async def watch_engines() -> None:
                 nonlocal exit_code
