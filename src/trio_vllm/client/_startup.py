@@ -36,6 +36,7 @@ from ._args import DEFAULT_READY_TIMEOUT, ready_timeout
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
+    from ..protocol.liveness import HeartbeatTiming
     from ._engines import EngineSource, SocketLayout
     from ._process import EngineProcess
 
@@ -123,19 +124,26 @@ class Sockets:
     Construction raises (and leaves nothing open) if a socket cannot be made.
     """
 
-    def __init__(self, *, watch_disconnects: bool) -> None:
+    def __init__(
+        self, *, watch_disconnects: bool, heartbeat: HeartbeatTiming | None = None
+    ) -> None:
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=2)
         self.ipc_dir = PrivateIpcDir()
         self.all: list[AsyncSocket] = []
         self.monitor: AsyncSocket | None = None
         self.endpoint_ranks: dict[str, list[int]] = {}
+        # With heartbeats: the bound input of each spawned (process-watched) source ->
+        # its ranks. Each such source gets an endpoint of its own, so that a connection
+        # dropped for silence names its ranks.
+        self.heartbeat = heartbeat
+        self.hang_ranks: dict[str, list[int]] = {}
         # layout key -> (bound input, advertised input, advertised output)
         self._data: dict[tuple[str | None, str | None, int], tuple[str, str, str]] = {}
 
         self._watched = itertools.count()
         self._handshakes = itertools.count()
         try:
-            if watch_disconnects:
+            if watch_disconnects or heartbeat is not None:
                 self.input = self._monitored_input()
             else:
                 self.input = self._create(zmq.ROUTER)
@@ -158,6 +166,14 @@ class Sockets:
             raw.setsockopt(zmq.ROUTER_MANDATORY, 1)
             for option in _UNBOUNDED:
                 raw.setsockopt(option, 0)
+            if self.heartbeat is not None:
+                # Before any bind: a listener copies the socket's options when it is
+                # made, and every connection it accepts gets them. libzmq then PINGs
+                # each engine every interval and drops a connection that brought
+                # nothing for timeout after a PING (ZMTP 3.1; the engine's libzmq I/O
+                # thread answers, whatever its Python does).
+                raw.setsockopt(zmq.HEARTBEAT_IVL, self.heartbeat.interval_ms)
+                raw.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat.timeout_ms)
             address = f"inproc://trio-vllm-monitor-{id(raw)}"
             raw.monitor(address, zmq.EVENT_DISCONNECTED)
             socket = AsyncSocket(raw)
@@ -172,7 +188,8 @@ class Sockets:
 
     def bind_data(self, layout: SocketLayout, ranks: Sequence[int]) -> tuple[str, str, str]:
         """The (bound input, advertised input, advertised output) for a source."""
-        own = next(self._watched) if layout.watch_disconnects else -1
+        hang_watched = self.heartbeat is not None and not layout.watch_disconnects
+        own = next(self._watched) if layout.watch_disconnects or hang_watched else -1
         key = (layout.data_host, layout.data_bind_host, own)
         if layout.attach is not None:
             key = (*layout.attach, own)
@@ -194,6 +211,8 @@ class Sockets:
                     _advertised(bound_in, layout.data_host),
                     _advertised(_bind(self.output, bind, "output"), layout.data_host),
                 )
+        if hang_watched:
+            self.hang_ranks.setdefault(self._data[key][0], []).extend(ranks)
         return self._data[key]
 
     def watch(self, bound_input: str, ranks: Sequence[int]) -> None:
