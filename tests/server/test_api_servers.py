@@ -258,3 +258,14 @@ async def test_engine_death_ends_streams_in_both_and_exits_1() -> None:
         with anyio.fail_after(60):
             assert await group.process.wait() == 1
     assert _metrics_dirs() - before == set()
+
+
+async def test_a_server_that_dies_stops_the_group_with_status_1() -> None:
+    before = _metrics_dirs()
+    async with api_servers() as group:
+        servers = [p for p in group.descendants() if "--api-server-index" in _cmdline(p)]
+        assert len(servers) == 2
+        os.kill(servers[1], signal.SIGKILL)  # the other one is stopped (api_servers checks)
+        with anyio.fail_after(60):
+            assert await group.process.wait() == 1
+    assert _metrics_dirs() - before == set()
