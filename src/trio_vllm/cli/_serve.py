@@ -8,6 +8,9 @@ vLLM engine cores (``--engine vllm --vllm-python PY``), or headless engines star
 elsewhere that connect to ``--connect tcp://HOST:PORT`` (``--engines N``, data
 parallel included).
 
+--api-server-count N runs N such servers on one listening socket, all sharing the
+engines (as vllm serve --api-server-count N; /metrics sums over them).
+
 Exit status: 0 after SIGTERM or Ctrl-C (no new connections, running requests finish
 within --shutdown-grace, then the engines stop); 1 when the engines fail to start or die
 (every open stream ends with an error event first) unless
