@@ -73,6 +73,15 @@ def add_parser(commands: Any) -> None:
         "(default: the model directory's name)",
     )
     h.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help="LoRA adapters served as model names: 'name=path' or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\' (as vllm serve; the '
+        "engines need LoRA enabled, e.g. --engine-args='--enable-lora ...')",
+    )
+    h.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=None,
@@ -223,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .._exceptions import EngineStartupError
     from ..server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE
+    from ..server._lora import parse_lora_modules
     from ..server._run import run_openai_server
 
     prog = "trio-vllm serve"
@@ -237,6 +247,11 @@ def run(args: argparse.Namespace) -> int:
     attached = args.attach_engines is not None
     try:
         plan = _engine_plan(args)
+        if plan.model_dir is None:
+            raise UsageError(
+                "--connect without --model: the server renders text and chat with the "
+                "engines' model directory (tokenizer, chat template); give --model DIR"
+            )
         engines: EngineSource
         if attached:
             from ..client import EngineAttachment
@@ -256,6 +271,11 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--shutdown-grace must be >= 0")
         liveness = _liveness_options(args)
     except UsageError as exc:
+        sys.stderr.write(f"{prog}: error: {exc}\n")
+        return 2
+    try:
+        loras = parse_lora_modules(args.lora_modules or ())
+    except ValueError as exc:
         sys.stderr.write(f"{prog}: error: {exc}\n")
         return 2
     keys = args.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
@@ -295,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
                 generation_config=args.generation_config,
                 override_generation_config=args.override_generation_config,
                 client_options=options,
+                lora_modules=loras,
                 listen_fd=args.listen_fd,
                 server_index=args.api_server_index,
                 parent_pid=args.api_server_parent,

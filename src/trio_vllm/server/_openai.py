@@ -54,6 +54,7 @@ from ._schemas import (
     CompletionResponseChoice,
     CompletionStreamChoice,
     CompletionStreamResponse,
+    PromptLogprob,
     StreamUsage,
     UsageInfo,
 )
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from ..protocol.rules import Violation
     from ..text import CompletionOutput, Logprob, RequestOutput, SamplingDefaults, TokensPrompt
     from ._frontend import TextFrontend, TokenizerLike
+    from ._schemas import PromptLogprobsJSON
 
 __all__ = [
     "ChatResponder",
@@ -97,6 +99,7 @@ class GenerationPlan:
         "model",
         "n",
         "params",
+        "prompt_logprobs",
         "prompts",
         "request_id",
         "return_token_ids",
@@ -121,6 +124,7 @@ class GenerationPlan:
         echo_texts: list[str] | None = None,
         echo_only: bool = False,
         role: str = "assistant",
+        prompt_logprobs: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.created = int(time.time())
@@ -137,6 +141,7 @@ class GenerationPlan:
         self.echo_texts = echo_texts
         self.echo_only = echo_only  # echo with max_tokens=0: the prompt is the answer
         self.role = role
+        self.prompt_logprobs = prompt_logprobs  # asked for: the response carries them
 
 
 # ----------------------------------------------------------------------------- planning
@@ -217,6 +222,7 @@ def _sampling_params(
     n: int,
     max_tokens: int,
     logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     # vLLM's to_sampling_params: the request's value, else the model's default (its
     # generation config), else the OpenAI default.
@@ -244,6 +250,7 @@ def _sampling_params(
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
@@ -342,6 +349,7 @@ def plan_completion(
                 n=req.n,
                 max_tokens=1 if echo_only else max_tokens,
                 logprobs=req.logprobs,
+                prompt_logprobs=req.prompt_logprobs,
             )
         )
         echo_texts.append(text)
@@ -361,6 +369,7 @@ def plan_completion(
         return_token_ids=bool(req.return_token_ids),
         echo_texts=echo_texts if req.echo else None,
         echo_only=echo_only,
+        prompt_logprobs=req.prompt_logprobs,
     )
 
 
@@ -441,7 +450,18 @@ def plan_chat(
     defaults = llm.sampling_defaults
     max_tokens = defaults.max_tokens(requested, max_model_len - len(ids))
     logprobs = top if req.logprobs else None
-    params = _sampling_params(req, defaults, n=n, max_tokens=max_tokens, logprobs=logprobs)
+    # vLLM's to_sampling_params: an echo without prompt_logprobs asks for top_logprobs
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo:
+        prompt_logprobs = req.top_logprobs
+    params = _sampling_params(
+        req,
+        defaults,
+        n=n,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
     request_id = f"chatcmpl-{base_request_id(header_request_id, req.request_id)}"
     include_usage, continuous = _usage_flags(req)
     role = "assistant" if req.add_generation_prompt else str(req.messages[-1]["role"])
@@ -471,6 +491,7 @@ def plan_chat(
         return_token_ids=bool(req.return_token_ids),
         echo_texts=echo,
         role=role,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -576,6 +597,25 @@ def chat_logprobs(
     return ChatCompletionLogProbs(content)
 
 
+def prompt_logprobs_json(
+    positions: Sequence[Mapping[int, Logprob] | None],
+) -> PromptLogprobsJSON:
+    """vLLM's ``clamp_prompt_logprobs`` (``-inf`` becomes -9999.0, nothing else changes)
+    and its JSON shape: ``null`` or ``{token id: {logprob, rank, decoded_token}}``."""
+    inf = float("-inf")
+    return [
+        None
+        if pos is None
+        else {
+            tid: PromptLogprob(
+                _LOGPROB_FLOOR if lp.logprob == inf else lp.logprob, lp.rank, lp.decoded_token
+            )
+            for tid, lp in pos.items()
+        }
+        for pos in positions
+    ]
+
+
 class GenerationError(Exception):
     """A completion finished with ``finish_reason="error"`` (vLLM: HTTP 500)."""
 
@@ -622,9 +662,23 @@ class _Responder:
             and not plan.continuous_usage
         )
         self._templates: dict[int, tuple[bytes, bytes] | None] = {}
+        # (prompt, child) -> the prompt logprobs its outputs brought (non-streaming
+        # responses carry them; with n > 1 each child brings the same, the first is kept)
+        self._prompt_lps: dict[tuple[int, int], list[Mapping[int, Logprob] | None]] = {}
 
     def on_output(self, prompt_idx: int, res: RequestOutput) -> bytes:
         raise NotImplementedError
+
+    def _keep_prompt_logprobs(self, prompt_idx: int, res: RequestOutput) -> None:
+        if res.prompt_logprobs:
+            child = res.outputs[0].index if res.outputs else 0
+            self._prompt_lps.setdefault((prompt_idx, child), []).extend(res.prompt_logprobs)
+
+    def _prompt_logprobs(self, prompt_idx: int) -> PromptLogprobsJSON | None:
+        if self.plan.prompt_logprobs is None:
+            return None
+        keys = sorted(k for k in self._prompt_lps if k[0] == prompt_idx)
+        return prompt_logprobs_json(self._prompt_lps[keys[0]] if keys else [])
 
     def on_outputs(self, prompt_idx: int, outs: Sequence[RequestOutput]) -> bytes:
         """`on_output` of each output in turn: their SSE events, concatenated."""
@@ -657,6 +711,8 @@ class CompletionResponder(_Responder):
         """Record one DELTA output; the SSE events to send for it (streaming), else b""."""
         plan = self.plan
         events: list[bytes] = []
+        if plan.prompt_logprobs is not None and not plan.stream:
+            self._keep_prompt_logprobs(prompt_idx, res)
         for out in res.outputs:
             if out.finish_reason == "error":
                 raise GenerationError("Internal server error")
@@ -782,7 +838,7 @@ class CompletionResponder(_Responder):
                     c.finish_reason,
                     c.stop_reason,
                     list(c.token_ids) if plan.return_token_ids else None,
-                    None,
+                    self._prompt_logprobs(prompt_idx),
                     pids if plan.return_token_ids else None,
                 )
             )
@@ -816,6 +872,8 @@ class ChatResponder(_Responder):
     def on_output(self, prompt_idx: int, res: RequestOutput) -> bytes:
         plan = self.plan
         events: list[bytes] = []
+        if plan.prompt_logprobs is not None and not plan.stream:
+            self._keep_prompt_logprobs(prompt_idx, res)
         if plan.stream and self._first:
             self._first = False
             for i in range(plan.n):
@@ -943,7 +1001,7 @@ class ChatResponder(_Responder):
             None,
             self.fingerprint,
             self._usage(),
-            None,
+            self._prompt_logprobs(0),
             plan.prompts[0]["prompt_token_ids"] if plan.return_token_ids else None,
         )
         return encode(body)

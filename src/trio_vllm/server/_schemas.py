@@ -41,6 +41,8 @@ __all__ = [
     "ModelCard",
     "ModelList",
     "ModelPermission",
+    "PromptLogprob",
+    "PromptLogprobsJSON",
     "StreamOptions",
     "StreamUsage",
     "UsageInfo",
@@ -83,6 +85,7 @@ class _SamplingFields(Struct, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
     request_id: str | None = None
     return_token_ids: bool | None = None
@@ -157,6 +160,7 @@ _SHARED_SUPPORT: dict[str, FieldSupport] = {
     "skip_special_tokens": "implemented",
     "spaces_between_special_tokens": "implemented",
     "allowed_token_ids": "implemented",
+    "prompt_logprobs": "implemented",
     "bad_words": "implemented",
     "request_id": "implemented",
     "return_token_ids": "implemented",
@@ -201,7 +205,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
     "response_format": (None, {"type": "text"}),
     "structured_outputs": (None,),
     "logprob_token_ids": (None,),
-    "prompt_logprobs": (None,),
     "prompt_embeds": (None,),
     "truncate_prompt_tokens": (None,),
     "kv_transfer_params": (None,),
@@ -249,6 +252,19 @@ class CompletionLogProbs(Struct):
     top_logprobs: list[dict[str, float] | None]
 
 
+class PromptLogprob(Struct):
+    """One entry of ``prompt_logprobs`` (vLLM's ``Logprob`` dataclass as JSON)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+#: ``prompt_logprobs`` as vLLM answers it: per prompt position ``null`` (the first) or
+#: ``{token id (a JSON key): Logprob}``.
+PromptLogprobsJSON = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionResponseChoice(Struct):
     index: int
     text: str
@@ -256,7 +272,7 @@ class CompletionResponseChoice(Struct):
     finish_reason: str | None
     stop_reason: int | str | None
     token_ids: list[int] | None = None
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
     prompt_token_ids: list[int] | None = None
     routed_experts: None = None
 
@@ -342,7 +358,7 @@ class ChatCompletionResponse(Struct):
     service_tier: None
     system_fingerprint: str | None
     usage: UsageInfo
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
     kv_transfer_params: None = None
