@@ -186,6 +186,8 @@ def run(argv: Sequence[str] | None) -> int:
             blamed = parser if _before_command(argv, args.command, extra) else args.cli_parser
             blamed.error(f"unrecognized arguments: {' '.join(extra)}")
         prog = args.cli_parser.prog
+        # serve --api-server-count N starts N copies of this command line.
+        args.cli_argv = list(sys.argv[1:] if argv is None else argv)
         handler = _configure_logging(args)
         try:
             status: int = args.cli_run(args)

@@ -8,6 +8,9 @@ vLLM engine cores (``--engine vllm --vllm-python PY``), or headless engines star
 elsewhere that connect to ``--connect tcp://HOST:PORT`` (``--engines N``, data
 parallel included).
 
+--api-server-count N runs N such servers on one listening socket, all sharing the
+engines (as vllm serve --api-server-count N; /metrics sums over them).
+
 Exit status: 0 after SIGTERM or Ctrl-C (no new connections, running requests finish
 within --shutdown-grace, then the engines stop); 1 when the engines fail to start or die
 (every open stream ends with an error event first) unless
@@ -26,7 +29,7 @@ from ._engines import EnginePlan, UsageError, add_engine_arguments, engine_plan,
 if TYPE_CHECKING:
     import argparse
 
-    from ..client import ClientOptions
+    from ..client import ClientOptions, EngineSource
 
 __all__ = ["add_parser", "run"]
 
@@ -106,6 +109,24 @@ def add_parser(commands: Any) -> None:
         "SSE event, as vllm serve does (default: one event per engine output)",
     )
     h.add_argument("--access-log", action="store_true", help="log every request (hypercorn)")
+    h.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N API-server processes on one listening socket, all sharing the "
+        "engines (as vllm serve --api-server-count; default 1: this process serves)",
+    )
+    # One server of an --api-server-count group (set by its parent, not by hand).
+    import argparse
+
+    for flag, kind in (
+        ("--attach-engines", str),
+        ("--api-server-index", int),
+        ("--listen-fd", int),
+        ("--api-server-parent", int),
+    ):
+        h.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
     e = add_engine_arguments(
         p,
         model_help="the model directory (tokenizer, chat template, generation config); "
@@ -223,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
             f"{prog}: error: needs {' and '.join(missing)}: pip install 'trio-vllm[serve]'\n"
         )
         return 2
+    attached = args.attach_engines is not None
     try:
         plan = _engine_plan(args)
         if plan.model_dir is None:
@@ -230,7 +252,15 @@ def run(args: argparse.Namespace) -> int:
                 "--connect without --model: the server renders text and chat with the "
                 "engines' model directory (tokenizer, chat template); give --model DIR"
             )
-        engines = engine_source(args, plan)
+        engines: EngineSource
+        if attached:
+            from ..client import EngineAttachment
+
+            engines = EngineAttachment.from_json(args.attach_engines).client(args.api_server_index)
+        else:
+            engines = engine_source(args, plan)
+        if args.api_server_count < 1:
+            raise UsageError("--api-server-count must be at least 1")
         if not 0 <= args.port <= 65535:
             raise UsageError(f"--port must be in [0, 65535], got {args.port}")
         body_limit = args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES
@@ -254,6 +284,20 @@ def run(args: argparse.Namespace) -> int:
     if args.ready_timeout is not None:
         options["ready_timeout"] = args.ready_timeout
     try:
+        if args.api_server_count > 1 and not attached:
+            from ._api_servers import run_api_servers
+
+            return trio.run(
+                lambda: run_api_servers(
+                    engines,
+                    count=args.api_server_count,
+                    child_argv=args.cli_argv,
+                    host=args.host,
+                    port=args.port,
+                    shutdown_grace=grace,
+                    ready_timeout=args.ready_timeout,
+                )
+            )
         return trio.run(
             lambda: run_openai_server(
                 engines,
@@ -272,6 +316,9 @@ def run(args: argparse.Namespace) -> int:
                 override_generation_config=args.override_generation_config,
                 client_options=options,
                 lora_modules=loras,
+                listen_fd=args.listen_fd,
+                server_index=args.api_server_index,
+                parent_pid=args.api_server_parent,
             )
         )
     except BaseException as raised:

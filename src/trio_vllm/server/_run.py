@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -13,8 +15,7 @@ from ._app import DEFAULT_MAX_BODY_BYTES, OpenAIServer
 from ._serve import DEFAULT_SHUTDOWN_GRACE, serve_app
 
 if TYPE_CHECKING:
-    import os
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Awaitable, Callable, Mapping, Sequence
 
     from anyio.abc import TaskStatus
 
@@ -52,6 +53,9 @@ async def run_openai_server(
     lora_modules: Sequence[LoRAModulePath] = (),
     allow_runtime_lora_updating: bool | None = None,
     stop: anyio.Event | None = None,
+    listen_fd: int | None = None,
+    server_index: int | None = None,
+    parent_pid: int | None = None,
     task_status: TaskStatus[OpenAIServer] = anyio.TASK_STATUS_IGNORED,
 ) -> int:
     """Start the engines, the text frontend and the HTTP server; return an exit status.
@@ -74,6 +78,11 @@ async def run_openai_server(
     once and frozen (``gc.freeze()``) when the server listens, as ``vllm serve`` does:
     the collector then never walks it again while serving. The process keeps it frozen
     after the call returns (``trio-vllm serve`` always passes it).
+
+    One of several API servers (``trio-vllm serve --api-server-count N``): ``listen_fd``
+    is the listening socket the servers share (adopted), ``server_index`` goes into an
+    ``x-trio-vllm-server`` header on every response, and the server shuts down (status
+    0, as for SIGTERM) if the process ``parent_pid`` exits, so that none is orphaned.
 
     Raises:
         EngineStartupError: the engines did not start.
@@ -104,9 +113,31 @@ async def run_openai_server(
         if not serving:  # still starting: stop that (open_llm stops the engines)
             scope.cancel()
 
+    async def watch_parent() -> None:
+        # The parent of a group of API servers: its exit (even SIGKILL) ends this one.
+        assert parent_pid is not None
+        try:
+            fd = os.pidfd_open(parent_pid)
+        except OSError:
+            fd = -1
+        if fd < 0 or os.getppid() != parent_pid:  # gone already (this one reparented)
+            if fd >= 0:
+                os.close(fd)
+            logger.error("the parent process is gone; shutting down")
+            shutdown.set()
+            return
+        try:
+            await anyio.wait_readable(fd)
+        finally:
+            os.close(fd)
+        logger.error("the parent process exited; shutting down")
+        shutdown.set()
+
     async with anyio.create_task_group() as outer:
         if handle_signals and threading.current_thread() is threading.main_thread():
             outer.start_soon(watch_signals)
+        if parent_pid is not None:
+            outer.start_soon(watch_parent)
         if stop is not None:
             outer.start_soon(watch_stop, stop)
         outer.start_soon(stop_startup, outer.cancel_scope)
@@ -144,10 +175,18 @@ async def run_openai_server(
 
             served = anyio.Event()
 
+            served_app: Callable[..., Awaitable[None]] = app
+            if server_index is not None:
+                served_app = _ServerHeader(app, server_index)
+            sock = None
+            if listen_fd is not None:
+                sock = socket.socket(fileno=listen_fd)
+
             async def serve(*, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
                 try:
                     await serve_app(
-                        app,
+                        served_app,
+                        sock=sock,
                         host=host,
                         port=port,
                         shutdown_trigger=shutdown.wait,
@@ -188,3 +227,20 @@ def _freeze_startup_heap() -> None:
         gc.collect(generation)
     gc.freeze()
     logger.info("startup heap frozen: %d objects (gc.freeze, as vllm serve)", gc.get_freeze_count())
+
+
+class _ServerHeader:
+    """The app with ``x-trio-vllm-server: INDEX`` on every response: which of the
+    group's API servers answered (tests and load checks read it)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], index: int) -> None:
+        self.app = app
+        self.header = (b"x-trio-vllm-server", str(index).encode())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def send_with_header(message: Any) -> None:
+            if message.get("type") == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
