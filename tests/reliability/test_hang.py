@@ -108,8 +108,10 @@ async def test_a_stopped_engine_is_dead_within_hang_timeout(anyio_backend: str) 
 # run on both above): one backend keeps the suite short.
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_data_parallel_continue_loses_only_the_stopped_rank(anyio_backend: str) -> None:
-    sources = [ReferenceEngines(1, faults=_SLOW), ReferenceEngines(1, faults=_SLOW, start_rank=1)]
-    async with open_client(sources, hang_timeout=HANG, on_engine_death="continue") as client:
+    # One source of two processes: each rank has an input endpoint of its own, so the
+    # heartbeat verdict names the stopped one alone.
+    source = ReferenceEngines(2, faults=_SLOW)
+    async with open_client(source, hang_timeout=HANG, on_engine_death="continue") as client:
         with _resumed_at_end(client):
             took, stream_error, call_error = await _stream_then_stop(client, rank=1)
             assert took < BOUND

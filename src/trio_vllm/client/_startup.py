@@ -132,9 +132,9 @@ class Sockets:
         self.all: list[AsyncSocket] = []
         self.monitor: AsyncSocket | None = None
         self.endpoint_ranks: dict[str, list[int]] = {}
-        # With heartbeats: the bound input of each spawned (process-watched) source ->
-        # its ranks. Each such source gets an endpoint of its own, so that a connection
-        # dropped for silence names its ranks.
+        # With heartbeats: the bound input of each spawned (process-watched) engine ->
+        # its rank. Each such rank gets an endpoint of its own (handshake_parts), so
+        # that a connection dropped for silence names it.
         self.heartbeat = heartbeat
         self.hang_ranks: dict[str, list[int]] = {}
         # layout key -> (bound input, advertised input, advertised output)
@@ -491,19 +491,26 @@ def handshake_parts(
     parts: list[ClientHandshake] = []
     watched: list[tuple[str, list[int]]] = []
     for source, layout in zip(engines.sources, engines.layouts, strict=True):
-        bound_in, source_input, source_output = sockets.bind_data(layout, source.ranks)
-        if layout.watch_disconnects:
-            watched.append((bound_in, source.ranks))
-        parts.append(
-            ClientHandshake(
-                source.ranks,
-                inputs=[source_input],
-                outputs=[source_output],
-                expect_local=layout.expect_local,
-                expect_headless=layout.expect_headless,
-                stage="both" if layout.attach is None else "input",
+        groups = [source.ranks]
+        if sockets.heartbeat is not None and not layout.watch_disconnects:
+            # Spawned engines, heartbeats on: an endpoint pair per rank (each engine is
+            # told its own in the init metadata), so that a connection dropped for
+            # silence names that rank alone, not every rank of the source.
+            groups = [[rank] for rank in source.ranks]
+        for ranks in groups:
+            bound_in, source_input, source_output = sockets.bind_data(layout, ranks)
+            if layout.watch_disconnects:
+                watched.append((bound_in, ranks))
+            parts.append(
+                ClientHandshake(
+                    ranks,
+                    inputs=[source_input],
+                    outputs=[source_output],
+                    expect_local=layout.expect_local,
+                    expect_headless=layout.expect_headless,
+                    stage="both" if layout.attach is None else "input",
+                )
             )
-        )
     return parts, watched
 
 
