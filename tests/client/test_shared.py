@@ -150,3 +150,47 @@ def test_wire_stamps_the_client_index_on_adds_and_utilities() -> None:
     )
     assert call.client_index == 1  # type: ignore[union-attr]
     assert wire.limits.num_clients == 2
+
+
+# asyncio here; trio in tests/server/test_api_servers.py (the servers run trio).
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_stopped_shared_engine_is_noticed_by_every_frontend(anyio_backend: str) -> None:
+    # Heartbeats (hang_timeout) on an attached client: each frontend's input ROUTER
+    # PINGs the engine's connection to it; a SIGSTOPped engine answers none, each
+    # frontend drops its own connection and ends its own streams. The parent watches
+    # exits only: a stopped engine is not dead to it.
+    engines = ReferenceEngines(faults=["--step-interval-ms", "20"])
+    async with open_shared_engines(engines, clients=2) as shared:
+        (pid,) = shared.engine_pids.values()
+        try:
+            async with (
+                open_client(shared.attachment.client(0), hang_timeout=1.0) as first,
+                open_client(shared.attachment.client(1), hang_timeout=1.0) as second,
+            ):
+                errors: dict[int, EngineDeadError] = {}
+
+                async def stream_until_dead(
+                    index: int, client: EngineCoreClient, streaming: anyio.Event
+                ) -> None:
+                    request = make_request([4, 5], max_tokens=100_000)
+                    with pytest.raises(EngineDeadError) as caught:
+                        async with client.generate(request) as stream:
+                            async for _out in stream:
+                                streaming.set()
+                    errors[index] = caught.value
+
+                events = [anyio.Event(), anyio.Event()]
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(stream_until_dead, 0, first, events[0])
+                    tg.start_soon(stream_until_dead, 1, second, events[1])
+                    for event in events:
+                        await event.wait()
+                    os.kill(pid, signal.SIGSTOP)
+                assert sorted(errors) == [0, 1]
+                for k, error in errors.items():
+                    assert "did not answer heartbeats for 1 s" in str(error)
+                    assert shared.attachment.inputs[k] in str(error)  # its own endpoint
+                assert first.dead and second.dead
+                assert not shared.dead  # stopped, not exited
+        finally:
+            os.kill(pid, signal.SIGCONT)

@@ -7,6 +7,7 @@ answers, shares, disconnects, metrics and SIGTERM, one for engine death.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -144,6 +145,18 @@ async def api_servers(*args: str) -> AsyncIterator[_Group]:
             controls.cleanup()
 
 
+@asynccontextmanager
+async def _resumed(group: _Group) -> AsyncIterator[None]:
+    """SIGCONT the engine at the end whatever happened (a stopped engine left behind
+    would hold the group's teardown until SIGKILL)."""
+    try:
+        yield
+    finally:
+        if group.control is not None and _alive(group.control.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(group.control.pid, signal.SIGCONT)
+
+
 async def _stream_then_leave(port: int) -> str:
     """Open a streaming completion on a fresh connection, read its first event, close
     the connection; returns the answering server's index."""
@@ -216,9 +229,14 @@ async def test_two_servers_answer_share_abort_and_stop_on_sigterm() -> None:
     assert _metrics_dirs() - before == set()
 
 
-async def test_engine_death_ends_streams_in_both_and_exits_1() -> None:
+@pytest.mark.parametrize("death", ["killed", "stopped"])
+async def test_engine_death_ends_streams_in_both_and_exits_1(death: str) -> None:
+    # "stopped": a SIGSTOPped engine (alive, silent) is noticed by each server's own
+    # heartbeats (attached clients watch their input's connections), each exits 1,
+    # the parent exits 1 and its engine stop (SIGTERM + SIGCONT) ends the engine.
     before = _metrics_dirs()
-    async with api_servers() as group:
+    hang = ["--engine-hang-timeout", "2"] if death == "stopped" else []
+    async with api_servers(*hang) as group, _resumed(group):
         assert group.control is not None
         results: dict[str, list[object]] = {}
         streaming: dict[str, anyio.Event] = {"0": anyio.Event(), "1": anyio.Event()}
@@ -250,13 +268,20 @@ async def test_engine_death_ends_streams_in_both_and_exits_1() -> None:
                     break
             assert all(e.is_set() for e in streaming.values())
             assert not results, "a stream ended before the engine died"
-            await group.control.kill()
+            if death == "killed":
+                await group.control.kill()
+            else:
+                os.kill(group.control.pid, signal.SIGSTOP)
         assert sorted(results) == ["0", "1"]
         for events in results.values():
             assert events[-1] == "[DONE]"
             assert events[-2]["error"]["code"] == 503  # type: ignore[index]
         with anyio.fail_after(60):
             assert await group.process.wait() == 1
+        if death == "stopped":
+            stderr = group.stderr.decode(errors="replace")
+            # Both servers' verdicts (each on its own input endpoint), not the parent's.
+            assert stderr.count("did not answer heartbeats for 2 s") >= 2, stderr
     assert _metrics_dirs() - before == set()
 
 
