@@ -196,3 +196,17 @@ async def test_a_stopped_shared_engine_is_noticed_by_every_frontend(anyio_backen
                 assert not shared.dead  # stopped, not exited
         finally:
             os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_two_sources_share_the_frontends_addresses(anyio_backend: str) -> None:
+    # Sources of one kind: every engine connects to the same N pairs (this was refused:
+    # each source's addresses were made anew and compared with the first's).
+    sources = [ReferenceEngines(1), ReferenceEngines(1, start_rank=1)]
+    async with open_shared_engines(sources, clients=2) as shared:
+        assert shared.attachment.ranks == (0, 1)
+        async with open_client(shared.attachment.client(1)) as client:
+            for rank in (0, 1):
+                request = make_request([3, rank], max_tokens=2)
+                async with client.generate(request, rank=rank) as stream:
+                    assert [t async for out in stream for t in out.new_token_ids] == [3, rank]

@@ -240,12 +240,25 @@ async def open_shared_engines(
         parts: list[ClientHandshake] = []
         binds: list[str] = []
         outs: list[str] = []
+        first_key: tuple[str | None, str | None] = (None, None)
+        first_in: list[str] = []
+        first_out: list[str] = []
         for index, (source, layout) in enumerate(
             zip(source_set.sources, source_set.layouts, strict=True)
         ):
             advertised_in: list[str] = []
             advertised_out: list[str] = []
-            for k in range(count):
+            key = (layout.data_host, layout.data_bind_host)
+            if index > 0:
+                # Every source's engines connect to the same N pairs (bound once, by
+                # the frontends): the layouts must agree on where those are.
+                if key != first_key:
+                    raise ValueError(
+                        "open_shared_engines: several engine sources must share one socket "
+                        "layout (pass sources of one kind)"
+                    )
+                advertised_in, advertised_out = first_in, first_out
+            for k in range(count if index == 0 else 0):
                 if layout.data_host is None:
                     bind_in = sockets.ipc_dir.endpoint(f"input{k}-{index}")
                     bind_out = sockets.ipc_dir.endpoint(f"output{k}-{index}")
@@ -261,11 +274,8 @@ async def open_shared_engines(
                 if index == 0:
                     binds.append(bind_in)
                     outs.append(bind_out)
-            if index > 0 and (advertised_in, advertised_out) != (binds, outs):
-                raise ValueError(
-                    "open_shared_engines: several engine sources must share one socket "
-                    "layout (pass sources of one kind)"
-                )
+            if index == 0:
+                first_key, first_in, first_out = key, advertised_in, advertised_out
             parts.append(
                 ClientHandshake(
                     source.ranks,
