@@ -260,3 +260,26 @@ def test_resolution_matches_vllms_frontend(path: Path) -> None:
     given = S(**vector["given_structured_outputs"])
     sent = vector["value"]["sampling_params"]["structured_outputs"]
     assert msgspec.structs.asdict(resolve_structured_outputs(given)) == sent
+
+
+@pytest.mark.parametrize(
+    ("schema", "backend"),
+    [
+        ({"type": "integer", "multipleOf": 3}, "guidance"),
+        ({"type": "string", "format": "color"}, "guidance"),
+        ({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]}, "guidance"),
+        ({"type": "object", "properties": {"x": {"type": "number", "multipleOf": 2}}}, "guidance"),
+        (
+            {"type": "object", "patternProperties": {"^a": {}}, "properties": {"b": {}}},
+            "outlines",
+        ),
+        ({"type": "string", "format": "email"}, "xgrammar"),
+    ],
+)
+def test_auto_falls_back_where_xgrammar_lacks_a_schema_feature(
+    schema: dict[str, object], backend: str
+) -> None:
+    """vLLM's ``has_xgrammar_unsupported_json_features``: auto then picks guidance (or
+    outlines for what guidance lacks too); tests/vllm_tier checks it against vLLM."""
+    out = resolve_structured_outputs(S(json=schema), check_grammar=False)
+    assert (out._backend, out._backend_was_auto) == (backend, True)

@@ -6,21 +6,29 @@ decoding; trio-vllm does the frontend's part).
 - ``trio-vllm serve`` (a spawned stock engine) answers every case of `CASES` as ``vllm
   serve`` does: text, finish and stop reasons, usage, streamed and not; the bad schema,
   regex and grammar cases with the same HTTP 400 error object.
+- ``resolve_structured_outputs`` (the frontend's backend choice, grammar rewrite and
+  grammar check) gives what vLLM's own ``_validate_structured_outputs`` gives.
 - ``open_llm`` gives what ``LLM.generate`` / ``LLM.chat`` give for the same constraints.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
+import msgspec
 import pytest
 
 import trio_vllm as tv
+from trio_vllm import InvalidRequestError
 from trio_vllm.client import VllmEngines, make_request
 from trio_vllm.protocol import StructuredOutputsParams
+from trio_vllm.protocol.structured import resolve_structured_outputs
 from trio_vllm.sync import SyncClient
 
 from .conftest import ENGINE_ARGS, ENGINE_ENV, EXPECTED_GREEDY, TINY_MODEL, vllm_python
@@ -178,3 +186,43 @@ def test_open_llm_structured_outputs_match_llm_generate() -> None:
     for case, mine, expected in zip(_SO_CASES, ours, theirs, strict=True):
         assert mine == expected, f"case {case}:\nours   {mine}\nvLLM's {expected}"
     assert theirs[1]["outputs"][0]["text"] in ("yes", "no")
+
+
+RESOLUTIONS: list[dict[str, Any]] = [
+    {"regex": "a+("}, {"regex": "(["}, {"regex": r"\d+"}, {"json": {"type": "objectx"}},
+    {"json": '{"type": "objectx"}'}, {"json": "{not json"}, {"grammar": 'root ::= "a'},
+    {"grammar": "root ::= undefined_rule"}, {"grammar": 'start: "a" | "b"'},
+    {"choice": ["a", 'b"', "c\nd"]}, {"json_object": True}, {"json": SCHEMA},
+    {"json": {"type": "integer", "multipleOf": 3}},
+    {"json": {"type": "array", "uniqueItems": True}},
+    {"json": {"type": "string", "format": "color"}},
+    {"json": {"type": "string", "pattern": "a+", "maxLength": 3}},
+    {"json": {"type": "object", "patternProperties": {"^a": {"type": "integer"}},
+              "properties": {"b": {}}}},
+    {"json": {"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]}},
+    {"json": {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}}}},
+    {"json": {"type": "object", "propertyNames": {"pattern": "^a"}, "properties": {"a": {}}}},
+    {"json": SCHEMA, "disable_any_whitespace": True},
+]  # fmt: skip
+
+
+def test_resolution_matches_vllms_frontend() -> None:
+    proc = subprocess.run(
+        [vllm_python(), str(Path(__file__).with_name("structured_reference.py")),
+         str(TINY_MODEL)],
+        input=json.dumps(RESOLUTIONS), capture_output=True, text=True, timeout=600,
+        check=False, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    theirs = json.loads(proc.stdout[proc.stdout.rindex("@@RESULT@@") + len("@@RESULT@@") :])
+    ours: list[Any] = []
+    for case in RESOLUTIONS:
+        try:
+            so = resolve_structured_outputs(StructuredOutputsParams(**case))
+            ours.append(["ok", msgspec.structs.asdict(so)])
+        except InvalidRequestError as exc:
+            ours.append(["err", str(exc)])
+    diffs = [(c, t, o) for c, t, o in zip(RESOLUTIONS, theirs, ours, strict=True) if t != o]
+    assert diffs == [], "\n".join(map(repr, diffs))
+    assert sum(r[0] == "err" for r in theirs) >= 6  # not vacuous: refusals and answers
+    assert {r[1]["_backend"] for r in theirs if r[0] == "ok"} >= {"xgrammar", "guidance"}

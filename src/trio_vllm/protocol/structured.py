@@ -13,8 +13,10 @@ is the one ``vllm serve`` reports for a bad regex, schema or grammar. xgrammar's
 need torch, so trio-vllm uses llguidance (no dependencies; the ``[structured]`` extra)
 and imports it lazily: a constraint llguidance compiles is sent with
 ``_backend="xgrammar"`` (what ``auto`` picks for such a constraint), one it rejects gets
-guidance's message. Without llguidance the plain checks still run and the grammar is
-left to the engine, which fails just that request (finish reason ERROR, no tokens).
+guidance's message; a JSON schema with a feature vLLM knows xgrammar lacks goes to
+guidance (or outlines), as vLLM's ``auto`` sends it. Without llguidance the plain
+checks still run and the grammar is left to the engine, which fails just that request
+(finish reason ERROR, no tokens).
 Sans-I/O: no sockets, no event loop.
 """
 
@@ -22,13 +24,14 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
 from .._exceptions import InvalidRequestError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import ModuleType
 
     from .structs import StructuredOutputsParams
@@ -65,6 +68,93 @@ def choice_as_grammar(choice: list[str]) -> str:
 
     escaped = ("".join(escape_char(ch) for ch in c) for c in choice)
     return "root ::= " + " | ".join(f'"{c}"' for c in escaped)
+
+
+# vLLM's xgrammar STRING_SUPPORTED_FORMATS.
+_XGRAMMAR_FORMATS: Final = frozenset(
+    {
+        "email",
+        "date",
+        "time",
+        "date-time",
+        "duration",
+        "ipv4",
+        "ipv6",
+        "hostname",
+        "uuid",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
+    }
+)
+
+
+def _pattern_and_length(obj: dict[str, Any]) -> bool:
+    return ("pattern" in obj or "format" in obj) and ("minLength" in obj or "maxLength" in obj)
+
+
+def _types(obj: dict[str, Any]) -> set[str]:
+    kind = obj.get("type")
+    if isinstance(kind, str):
+        return {kind}
+    if isinstance(kind, list):
+        return {k for k in kind if isinstance(k, str)}
+    return set()
+
+
+def _any_node(obj: object, bad: Callable[[dict[str, Any]], bool]) -> bool:
+    """Whether ``bad`` holds for ``obj`` or any map nested in it (vLLM's walk)."""
+    if not isinstance(obj, dict):
+        return False
+    if bad(obj):
+        return True
+    for value in obj.values():
+        if isinstance(value, dict):
+            if _any_node(value, bad):
+                return True
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, dict) and _any_node(item, bad):
+                    return True
+    return False
+
+
+def _xgrammar_lacks(obj: dict[str, Any]) -> bool:
+    """One node of vLLM's ``has_xgrammar_unsupported_json_features``."""
+    types = _types(obj)
+    if types & {"integer", "number"} and "multipleOf" in obj:
+        return True
+    if "array" in types and any(
+        k in obj for k in ("uniqueItems", "contains", "minContains", "maxContains")
+    ):
+        return True
+    if "string" in types and "format" in obj and obj["format"] not in _XGRAMMAR_FORMATS:
+        return True
+    if "string" in types and _pattern_and_length(obj):
+        return True
+    if "object" in types and "propertyNames" in obj:
+        names = obj.get("propertyNames")
+        if isinstance(names, dict) and _pattern_and_length(names):
+            return True
+        if "patternProperties" in obj or "properties" in obj:
+            return True
+        if obj.get("unevaluatedProperties", True) is not True:
+            return True
+    pattern_properties = obj.get("patternProperties")
+    if (
+        "object" in types
+        and isinstance(pattern_properties, dict)
+        and ("properties" in obj or len(pattern_properties) > 1)
+    ):
+        return True
+    allof = obj.get("allOf")
+    return isinstance(allof, list) and len(allof) >= 2
+
+
+def _schema(so: StructuredOutputsParams) -> object:
+    return json.loads(so.json) if isinstance(so.json, str) else so.json
 
 
 def _llguidance() -> ModuleType | None:
@@ -138,6 +228,23 @@ def resolve_structured_outputs(
     # A caller's _backend (accepted by the STRUCTURED rules) is sent as is, after the
     # same compile checks as for an unset one.
     chosen = out._backend or backend
+    if chosen == "auto" and out.json is not None:
+        error = _json_schema_error(out)
+        if error is not None:
+            raise _refuse(error)
+        schema = _schema(out)
+        if _any_node(schema, _xgrammar_lacks):
+            # vLLM: xgrammar refuses the schema, so auto falls back to guidance, or to
+            # outlines for what guidance lacks too (patternProperties).
+            out._backend_was_auto = True
+            if _any_node(schema, lambda node: "patternProperties" in node):
+                out._backend = "outlines"  # outlines' own checks are not reproduced
+                return out
+            error = None if llg is None else _guidance_error(out, llg)
+            if error is not None:
+                raise _refuse(error)
+            out._backend = "guidance"
+            return out
     if chosen in ("xgrammar", "auto"):
         error = _json_schema_error(out)
         if error is None and llg is not None:
