@@ -186,11 +186,14 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> contextlib.AbstractAsyncContextManager[RequestOutputStream]:
         """Generate a reply to a conversation: `render_chat`, then `generate`.
 
-        ``messages`` are OpenAI-shaped (``{"role": ..., "content": ...}``). A bad
-        conversation or template raises `InvalidRequestError` here.
+        ``messages`` are OpenAI-shaped (``{"role": ..., "content": ...}``); ``tools``
+        (OpenAI tool definitions) reach the chat template as ``tools``, as vLLM's
+        ``LLM.chat(tools=...)``. A bad conversation or template raises
+        `InvalidRequestError` here.
         """
         processed = self._inputs.process_chat(
             self._new_id() if request_id is None else request_id,
@@ -199,6 +202,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
         return self._stream(processed)
 
@@ -211,6 +215,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> RequestOutput:
         """`chat`, returning the final output (as `generate_final`)."""
         params = final_only(self.sampling_defaults, params)
@@ -221,6 +226,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         ) as stream:
             return await _last_output(stream)
 
@@ -231,6 +237,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> tuple[str, list[int]]:
         """The prompt text and token ids of a conversation (the model's chat template,
         or ``chat_template``). Raises `InvalidRequestError`."""
@@ -239,6 +246,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
 
     async def abort(self, request_id: str) -> None:

@@ -230,6 +230,7 @@ class SyncLLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> SyncRequestOutputStream:
         """`LLM.chat` as a blocking iterator."""
         return self._open(
@@ -240,6 +241,7 @@ class SyncLLM:
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
                 chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
             )
         )
 
@@ -252,6 +254,7 @@ class SyncLLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> RequestOutput:
         """A reply to a conversation, final (as `generate_final`)."""
         context = self.llm.chat(
@@ -261,6 +264,7 @@ class SyncLLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
         return self._loop.call(_run_final, context)
 
@@ -271,6 +275,7 @@ class SyncLLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> tuple[str, list[int]]:
         """The prompt text and token ids of a conversation (no engine involved)."""
         return self.llm.render_chat(
@@ -278,6 +283,7 @@ class SyncLLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
 
     def abort(self, request_id: str) -> None:
