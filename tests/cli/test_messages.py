@@ -112,7 +112,8 @@ def test_output_to_a_full_disk_is_one_line() -> None:
 def test_the_tiny_model_without_torch_says_what_to_install() -> None:
     err = one_line_error(run("generate", "hi", "--model", "tiny", TRIO_VLLM_TEST_HIDE="torch"), 1)
     assert (
-        "the tiny model needs torch, which is not installed: pip install 'trio-vllm[torch]'" in err
+        "the tiny model needs torch, which is not installed: "
+        "pip install torch --index-url https://download.pytorch.org/whl/cpu" in err
     )
 
 

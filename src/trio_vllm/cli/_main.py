@@ -35,6 +35,7 @@ _SUBCOMMANDS: tuple[_Subcommand, ...] = (
     _Subcommand("._generate", "add_generate_parser", "run_generate"),
     _Subcommand("._serve"),
     _Subcommand("._bench"),
+    _Subcommand("._model"),
 )
 
 # ``literal``, `target` and `name` in docstring-derived texts.

@@ -106,6 +106,24 @@ def add_parser(commands: Any) -> None:
         'vllm, the reference engine\'s otherwise (e.g. "--max-num-seqs=256")',
     )
     e.add_argument(
+        "--engine-hang-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="an engine that leaves heartbeats unanswered S seconds (stopped, frozen, host "
+        "or network gone) is dead: open streams end with an error, /health answers 503 "
+        "(default 30; 0: no heartbeats)",
+    )
+    e.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="an engine silent S seconds with requests in flight gets a probe; unanswered "
+        "S more seconds, it is dead (a stuck loop). Longer than the longest step "
+        "(default: off)",
+    )
+    e.add_argument(
         "--generation-config",
         default="auto",
         metavar="auto|vllm|DIR",
@@ -120,6 +138,27 @@ def add_parser(commands: Any) -> None:
         metavar="JSON",
         help="overrides the generation config, e.g. '{\"temperature\": 0.5}'",
     )
+
+
+def _liveness_options(args: argparse.Namespace) -> ClientOptions:
+    """``--engine-hang-timeout`` / ``--engine-stall-timeout`` as client options (0:
+    off); raises `UsageError` for a value the client would refuse."""
+    from ..client._options import resolve_options
+
+    options: ClientOptions = {}
+    for flag, key, value in (
+        ("--engine-hang-timeout", "hang_timeout", args.engine_hang_timeout),
+        ("--engine-stall-timeout", "stall_timeout", args.engine_stall_timeout),
+    ):
+        if value is None:
+            continue
+        seconds = None if value == 0 else float(value)
+        try:
+            resolve_options({key: seconds})
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"{flag}: {exc} (0: off)") from None
+        options[key] = seconds  # type: ignore[literal-required]  # key is one of the two
+    return options
 
 
 def _json_object(text: str) -> dict[str, object]:
@@ -185,12 +224,13 @@ def run(args: argparse.Namespace) -> int:
         grace = DEFAULT_SHUTDOWN_GRACE if args.shutdown_grace is None else args.shutdown_grace
         if grace < 0:
             raise UsageError("--shutdown-grace must be >= 0")
+        liveness = _liveness_options(args)
     except UsageError as exc:
         sys.stderr.write(f"{prog}: error: {exc}\n")
         return 2
     keys = args.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
     _log_to_stderr(args)
-    options: ClientOptions = {}
+    options: ClientOptions = {**liveness}
     if args.ready_timeout is not None:
         options["ready_timeout"] = args.ready_timeout
     try:

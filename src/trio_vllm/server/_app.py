@@ -45,11 +45,18 @@ from ._openai import (
     plan_completion,
 )
 from ._schemas import (
+    UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
     ModelPermission,
+)
+from ._tokenize import (
+    decode_detokenize_request,
+    decode_tokenize_request,
+    detokenize_response,
+    tokenize_response,
 )
 
 if TYPE_CHECKING:
@@ -153,6 +160,8 @@ class OpenAIServer:
             "/v1/completions": ("POST", self._completions),
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/models": ("GET", self._models),
+            "/tokenize": ("POST", self._tokenize),
+            "/detokenize": ("POST", self._detokenize),
             "/health": ("GET", self._health),
             "/ping": ("GET", self._health),
             "/version": ("GET", self._version),
@@ -196,7 +205,21 @@ class OpenAIServer:
     async def _http(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> None:
         path: str = scope["path"]
         route = self._routes.get(path)
+        # vLLM's authentication middleware runs before routing: with a key, any /v1 path
+        # (one it does not serve included) answers 401 to a request without the key;
+        # OPTIONS passes, as there.
+        if (
+            self._key_hashes
+            and path.startswith(_GUARDED_PREFIX)
+            and scope["method"] != "OPTIONS"
+            and not self._authorized(scope)
+        ):
+            await send_bytes(send, 401, _UNAUTHORIZED)
+            self.metrics.http_response(path if route is not None else "other", 401)
+            return
         if route is None:
+            # What `vllm serve` answers for an endpoint of its API the model lacks
+            # (embeddings, pooling, score, ... on a generative model): FastAPI's 404.
             await send_bytes(send, 404, _NOT_FOUND)
             self.metrics.http_response("other", 404)
             return
@@ -204,10 +227,6 @@ class OpenAIServer:
         if scope["method"] != method:
             await send_bytes(send, 405, _NOT_ALLOWED)
             self.metrics.http_response(path, 405)
-            return
-        if self._key_hashes and path.startswith(_GUARDED_PREFIX) and not self._authorized(scope):
-            await send_bytes(send, 401, _UNAUTHORIZED)
-            self.metrics.http_response(path, 401)
             return
         status = await handler(scope, receive, send)
         if status:
@@ -263,6 +282,39 @@ class OpenAIServer:
         await send_bytes(send, 200, body, [(b"content-type", content_type.encode())])
         return 200
 
+    # ------------------------------------------------------------------ tokenizer
+
+    async def _tokenize(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        return await self._tokenizer_call(scope, receive, send, detokenize=False)
+
+    async def _detokenize(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        return await self._tokenizer_call(scope, receive, send, detokenize=True)
+
+    async def _tokenizer_call(
+        self, scope: Scope, receive: ASGIReceive, send: ASGISend, *, detokenize: bool
+    ) -> int:
+        """``/tokenize`` or ``/detokenize``: the text layer's answer, no engine call."""
+        try:
+            body = await read_body(scope, receive, self.max_body_bytes)
+        except ClientDisconnected:
+            return 0
+        try:
+            _check_json(scope)
+            answer: object
+            if detokenize:
+                dreq = decode_detokenize_request(body)
+                self._check_model(dreq.model)
+                answer = detokenize_response(self.llm, dreq)
+            else:
+                treq = decode_tokenize_request(body)
+                self._check_model(treq.model)
+                answer = tokenize_response(self.llm, treq)
+        except HTTPError as exc:
+            await send_error(send, exc)
+            return exc.status
+        await send_bytes(send, 200, encode(answer))
+        return 200
+
     # ------------------------------------------------------------------ generation
 
     async def _completions(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
@@ -272,12 +324,7 @@ class OpenAIServer:
         return await self._generation("chat", scope, receive, send)
 
     def _decode(self, kind: str, scope: Scope, body: bytes) -> tuple[Any, dict[str, object]]:
-        content_type = header(scope, b"content-type") or b""
-        if content_type.split(b";", 1)[0].strip().lower() != _JSON_CT:
-            raise HTTPError(
-                "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
-                err_type="Bad Request",
-            )
+        _check_json(scope)
         try:
             raw = _RAW_KEYS.decode(body)
         except msgspec.ValidationError:
@@ -302,10 +349,14 @@ class OpenAIServer:
         unknown = raw.keys() - _FIELDS[kind]
         extra: dict[str, object] = {}
         if unknown:
-            logger.warning(
-                "The following fields were present in the request but ignored: %s",
-                sorted(unknown),
-            )
+            # vLLM's fields that trio-vllm lacks are checked (accepted when harmless,
+            # else 400), not ignored: only the rest is logged as ignored.
+            ignored = unknown - UNSUPPORTED_FIELDS.keys()
+            if ignored:
+                logger.warning(
+                    "The following fields were present in the request but ignored: %s",
+                    sorted(ignored),
+                )
             extra = {k: msgspec.json.decode(raw[k]) for k in unknown}
         return req, extra
 
@@ -469,6 +520,16 @@ class OpenAIServer:
                         pumps.start_soon(pump, idx)
             except BaseExceptionGroup as group:
                 raise _first_error(group) from None
+
+
+def _check_json(scope: Scope) -> None:
+    """vLLM's ``validate_json_request``: only ``application/json`` bodies."""
+    content_type = header(scope, b"content-type") or b""
+    if content_type.split(b";", 1)[0].strip().lower() != _JSON_CT:
+        raise HTTPError(
+            "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+            err_type="Bad Request",
+        )
 
 
 class _Outcome:

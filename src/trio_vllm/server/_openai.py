@@ -16,6 +16,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from ..protocol import RequestOutputKind, SamplingParams
 from ..protocol.rules import (
     CHAT,
@@ -30,6 +32,7 @@ from ..protocol.rules import (
 )
 from ._http import HTTPError, encode
 from ._schemas import (
+    DECLARED_FIELDS,
     INT64_MAX,
     INT64_MIN,
     MAX_COMPLETION_PROMPTS,
@@ -158,12 +161,35 @@ def _limits(max_model_len: int) -> Limits:
     return Limits(max_model_len=max_model_len)
 
 
+# Refused declared fields whose refusal has its own check (and message) below.
+_OWN_REFUSALS = frozenset(
+    {"use_beam_search", "suffix", "tools", "tool_choice", "continue_final_message"}
+)
+# Per endpoint: (field, its default) for every refused field without an own check.
+_GENERIC_REFUSALS = {
+    kind: tuple(
+        (f.name, f.default)
+        for f in msgspec.structs.fields(struct)
+        if DECLARED_FIELDS[kind][f.name] == "refused" and f.name not in _OWN_REFUSALS
+    )
+    for kind, struct in (("completion", CompletionRequest), ("chat", ChatCompletionRequest))
+}
+
+
+def _not_supported(name: str) -> HTTPError:
+    return HTTPError(f"`{name}` is not supported by trio-vllm serve.", param=name)
+
+
 def _common_checks(
     req: CompletionRequest | ChatCompletionRequest, extra: Mapping[str, object], limits: Limits
 ) -> None:
-    for name, default in UNSUPPORTED_FIELDS.items():
-        if extra.get(name, default) != default:
-            raise HTTPError(f"`{name}` is not supported by trio-vllm serve.", param=name)
+    for name, accepted in UNSUPPORTED_FIELDS.items():
+        if name in extra and extra[name] not in accepted:
+            raise _not_supported(name)
+    kind = "completion" if isinstance(req, CompletionRequest) else "chat"
+    for name, default in _GENERIC_REFUSALS[kind]:
+        if getattr(req, name) != default:
+            raise _not_supported(name)
     if req.use_beam_search:
         raise HTTPError("Beam search is not supported by trio-vllm serve.", param="use_beam_search")
     _refuse(OPENAI.check(req, limits))
@@ -276,6 +302,8 @@ def plan_completion(
             f"{MAX_COMPLETION_PROMPTS}.",
             param="prompt",
         )
+    if req.suffix is not None:
+        _refuse_suffix(req)
     if req.echo and req.logprobs is not None:
         raise HTTPError(
             "`echo` with `logprobs` needs prompt logprobs, which trio-vllm serve does not support.",
@@ -336,6 +364,27 @@ def plan_completion(
     )
 
 
+def _refuse_suffix(req: CompletionRequest) -> None:
+    """vLLM 0.32.0's answer to ``suffix`` (``OnlineRenderer``): its checks in its order.
+
+    Only a renderer with fill-in-the-middle support (DeepSeek V4's) takes a suffix; the
+    server renders prompts with the model directory's tokenizer alone, which has none,
+    so every request with a suffix (even ``""``) is refused as vLLM refuses it there.
+    """
+    if req.echo:
+        raise HTTPError("Echo is unsupported with suffix.", param="suffix")
+    prompt = req.prompt
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and all(isinstance(p, str) for p in prompt)
+    ):
+        raise HTTPError(
+            "suffix is only supported for models with FIM completion rendering", param="suffix"
+        )
+    raise HTTPError(
+        "suffix requires text prompt input for FIM completion rendering", param="suffix"
+    )
+
+
 def plan_chat(
     req: ChatCompletionRequest,
     llm: TextFrontend,
@@ -353,7 +402,10 @@ def plan_chat(
     if req.tools == []:
         raise HTTPError("`tools` must not be an empty array.", param="tools")
     if req.tools or (req.tool_choice not in (None, "none")):
-        raise HTTPError("Tool calling is not supported by trio-vllm serve.", param="tools")
+        raise HTTPError(
+            "Tool calling is not supported by trio-vllm serve.",
+            param="tools" if req.tools else "tool_choice",
+        )
     if req.continue_final_message:
         raise HTTPError(
             "`continue_final_message` is not supported by trio-vllm serve.",

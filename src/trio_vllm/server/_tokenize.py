@@ -1,0 +1,181 @@
+"""``/tokenize`` and ``/detokenize``: vLLM 0.32.0's ``entrypoints/serve/tokenize``.
+
+Bodies and answers as vLLM's pydantic models (``TokenizeCompletionRequest`` |
+``TokenizeChatRequest``, ``DetokenizeRequest``; ``TokenizeResponse`` with ``count``,
+``max_model_len``, ``tokens``, ``token_strs``). The work is the text layer's
+(`trio_vllm.text.tokenize` ...): no engine round trip, so these never touch a request
+slot, and they answer while the engine is busy, as vLLM's do.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from msgspec import Struct
+
+from .._exceptions import InvalidRequestError
+from ._http import HTTPError
+
+if TYPE_CHECKING:
+    from ..text import Tokenizer
+    from ._frontend import TextFrontend
+
+__all__ = [
+    "DetokenizeRequest",
+    "DetokenizeResponse",
+    "TokenizeChatRequest",
+    "TokenizeCompletionRequest",
+    "TokenizeResponse",
+    "decode_detokenize_request",
+    "decode_tokenize_request",
+    "detokenize_response",
+    "tokenize_response",
+]
+
+_INT64_MAX = 2**63 - 1
+
+
+class TokenizeCompletionRequest(Struct, kw_only=True):
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(Struct, kw_only=True):
+    messages: list[dict[str, Any]]
+    model: str | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool | None = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+_COMPLETION = msgspec.json.Decoder(TokenizeCompletionRequest, strict=False)
+_CHAT = msgspec.json.Decoder(TokenizeChatRequest, strict=False)
+_DETOKENIZE = msgspec.json.Decoder(DetokenizeRequest, strict=False)
+_OBJECT = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def _validation_error(exc: msgspec.ValidationError) -> HTTPError:
+    message = str(exc)
+    param = None
+    if "`$." in message:
+        param = message.rsplit("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0]
+    return HTTPError(f"1 validation error:\n  {message}", err_type="Bad Request", param=param)
+
+
+def _object(body: bytes) -> dict[str, msgspec.Raw]:
+    try:
+        return _OBJECT.decode(body)
+    except msgspec.ValidationError:
+        raise HTTPError(
+            "1 validation error:\n  Input should be a valid dictionary or object",
+            err_type="Bad Request",
+        ) from None
+    except msgspec.DecodeError as exc:
+        raise HTTPError(
+            f"1 validation error:\n  JSON decode error: {exc}", err_type="Bad Request"
+        ) from None
+
+
+def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """The body as vLLM's union reads it: ``prompt`` makes a completion-style request,
+    else ``messages`` a chat one. `HTTPError` 400 for anything else."""
+    raw = _object(body)
+    try:
+        if "prompt" in raw or "messages" not in raw:
+            return _COMPLETION.decode(body)
+        req = _CHAT.decode(body)
+    except msgspec.ValidationError as exc:
+        raise _validation_error(exc) from None
+    if req.continue_final_message and req.add_generation_prompt:
+        # vLLM's model validator (before the fields): the same text, HTTP 400.
+        raise HTTPError(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    return req
+
+
+def decode_detokenize_request(body: bytes) -> DetokenizeRequest:
+    """The body as vLLM's ``DetokenizeRequest`` (ids in ``[0, 2**63 - 1]``)."""
+    _object(body)
+    try:
+        req = _DETOKENIZE.decode(body)
+    except msgspec.ValidationError as exc:
+        raise _validation_error(exc) from None
+    for i, token in enumerate(req.tokens):
+        if not 0 <= token <= _INT64_MAX:
+            bound = (
+                "greater than or equal to 0" if token < 0 else f"less than or equal to {_INT64_MAX}"
+            )
+            raise HTTPError(
+                f"1 validation error:\n  Input should be {bound} - at `$.tokens[{i}]`",
+                err_type="Bad Request",
+                param="tokens",
+            )
+    return req
+
+
+def _tokenizer(llm: TextFrontend) -> Tokenizer:
+    from ..text import Tokenizer
+
+    tokenizer = llm.tokenizer
+    if not isinstance(tokenizer, Tokenizer):  # a stand-in frontend without one
+        raise HTTPError("this server has no tokenizer to tokenize with", 501)
+    return tokenizer
+
+
+def tokenize_response(
+    llm: TextFrontend, req: TokenizeCompletionRequest | TokenizeChatRequest
+) -> TokenizeResponse:
+    """vLLM's ``create_tokenize``: `HTTPError` 400 for a conversation the template
+    refuses (the model name is the caller's to check)."""
+    from ..text import token_strs, tokenize, tokenize_chat
+
+    tokenizer = _tokenizer(llm)
+    try:
+        if isinstance(req, TokenizeChatRequest):
+            _, ids = tokenize_chat(
+                tokenizer,
+                req.messages,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                add_special_tokens=req.add_special_tokens,
+                chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs,
+                tools=req.tools,
+            )
+        else:
+            ids = tokenize(tokenizer, req.prompt, add_special_tokens=req.add_special_tokens)
+    except InvalidRequestError as exc:
+        raise HTTPError(str(exc), param=exc.param) from None
+    strs = token_strs(tokenizer, ids) if req.return_token_strs else None
+    return TokenizeResponse(len(ids), llm.max_model_len, ids, strs)
+
+
+def detokenize_response(llm: TextFrontend, req: DetokenizeRequest) -> DetokenizeResponse:
+    """vLLM's ``create_detokenize``: the ids' text, special tokens kept."""
+    from ..text import detokenize
+
+    return DetokenizeResponse(detokenize(_tokenizer(llm), req.tokens))
