@@ -249,9 +249,9 @@ def drive_reasoning_parser(make: Any, to_data: Any, deltas: list[str]) -> dict[s
         )
         stream.append(None if result is None else _plain(to_data(result)))
         previous_text, previous_ids = current_text, current_ids
-    finish = getattr(parser, "finish_streaming", None)
-    if finish is not None:
-        result = finish()
+    # Engine-based parsers (qwen3) hold text back until the stream's end.
+    if getattr(parser, "engine_based_streaming", False):
+        result = parser.finish_streaming()
         stream.append({"finish": None if result is None else _plain(to_data(result))})
     all_ids = [i for d in deltas for i in delta_ids(d)]
     return {

@@ -15,12 +15,14 @@ from ._frontend import TextFrontend as TextFrontend
 from ._run import run_openai_server as run_openai_server
 from ._serve import DEFAULT_SHUTDOWN_GRACE as DEFAULT_SHUTDOWN_GRACE
 from ._serve import serve_app as serve_app
+from ._tools import ToolOptions as ToolOptions
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_SHUTDOWN_GRACE",
     "OpenAIServer",
     "TextFrontend",
+    "ToolOptions",
     "run_openai_server",
     "serve_app",
 ]

@@ -57,6 +57,14 @@ from ._schemas import (
     StreamUsage,
     UsageInfo,
 )
+from ._tools import (
+    ChoiceParsers,
+    ToolOptions,
+    check_tools,
+    delta_fields,
+    skip_special_tokens,
+    tool_choice_of,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -97,6 +105,7 @@ class GenerationPlan:
         "model",
         "n",
         "params",
+        "parsers",
         "prompts",
         "request_id",
         "return_token_ids",
@@ -121,6 +130,7 @@ class GenerationPlan:
         echo_texts: list[str] | None = None,
         echo_only: bool = False,
         role: str = "assistant",
+        parsers: ChoiceParsers | None = None,
     ) -> None:
         self.request_id = request_id
         self.created = int(time.time())
@@ -137,6 +147,8 @@ class GenerationPlan:
         self.echo_texts = echo_texts
         self.echo_only = echo_only  # echo with max_tokens=0: the prompt is the answer
         self.role = role
+        # Chat with --tool-call-parser/--reasoning-parser: the choices' parsers.
+        self.parsers = parsers
 
 
 # ----------------------------------------------------------------------------- planning
@@ -392,6 +404,7 @@ def plan_chat(
     model: str,
     header_request_id: str | None,
     extra: Mapping[str, object],
+    tool_options: ToolOptions = ToolOptions(),  # noqa: B008 - frozen, immutable
 ) -> GenerationPlan:
     """Check a chat request and render its messages; `HTTPError` if bad."""
     n = 1 if req.n is None else req.n
@@ -399,13 +412,8 @@ def plan_chat(
     _common_checks(req, extra, limits)
     _refuse(CHAT.check(req, limits))
     top = 0 if req.top_logprobs is None else req.top_logprobs
-    if req.tools == []:
-        raise HTTPError("`tools` must not be an empty array.", param="tools")
-    if req.tools or (req.tool_choice not in (None, "none")):
-        raise HTTPError(
-            "Tool calling is not supported by trio-vllm serve.",
-            param="tools" if req.tools else "tool_choice",
-        )
+    check_tools(req, tool_options)
+    tool_choice = tool_choice_of(req)
     if req.continue_final_message:
         raise HTTPError(
             "`continue_final_message` is not supported by trio-vllm serve.",
@@ -427,6 +435,7 @@ def plan_chat(
             add_generation_prompt=req.add_generation_prompt,
             chat_template=req.chat_template,
             chat_template_kwargs=req.chat_template_kwargs,
+            tools=req.tools,
         )
     except ValueError as exc:  # InvalidRequestError included
         raise HTTPError(str(exc)) from None
@@ -442,6 +451,12 @@ def plan_chat(
     max_tokens = defaults.max_tokens(requested, max_model_len - len(ids))
     logprobs = top if req.logprobs else None
     params = _sampling_params(req, defaults, n=n, max_tokens=max_tokens, logprobs=logprobs)
+    parsers = None
+    if tool_options.has_parser:
+        skip = skip_special_tokens(req, tool_options, tool_choice)
+        if skip != params.skip_special_tokens:
+            params = msgspec.structs.replace(params, skip_special_tokens=skip)
+        parsers = ChoiceParsers(req, tool_options, llm.tokenizer, n, tool_choice)
     request_id = f"chatcmpl-{base_request_id(header_request_id, req.request_id)}"
     include_usage, continuous = _usage_flags(req)
     role = "assistant" if req.add_generation_prompt else str(req.messages[-1]["role"])
@@ -471,6 +486,7 @@ def plan_chat(
         return_token_ids=bool(req.return_token_ids),
         echo_texts=echo,
         role=role,
+        parsers=parsers,
     )
 
 
@@ -620,6 +636,7 @@ class _Responder:
             and plan.logprobs is None
             and not plan.return_token_ids
             and not plan.continuous_usage
+            and plan.parsers is None
         )
         self._templates: dict[int, tuple[bytes, bytes] | None] = {}
 
@@ -870,15 +887,34 @@ class ChatResponder(_Responder):
                 continue
             choice.add(out, False)
             token_ids = list(out.token_ids) if plan.return_token_ids else None
-            delta = ChatDelta(content=out.text)
-            if out.finish_reason is None:
+            finish_reason = out.finish_reason
+            if plan.parsers is None:
+                delta = ChatDelta(content=out.text)
+            else:
+                message = plan.parsers.delta(
+                    i,
+                    out.text,
+                    list(out.token_ids),
+                    plan.prompts[0]["prompt_token_ids"],
+                    out.finish_reason is not None,
+                )
+                if message is None:
+                    # vLLM: nothing to send yet, unless the chunk carries more.
+                    if finish_reason is None and logprobs is None and token_ids is None:
+                        continue
+                    delta = ChatDelta()
+                else:
+                    delta = ChatDelta(**delta_fields(message))
+                if finish_reason is not None:
+                    finish_reason = plan.parsers.finish_reason(i, finish_reason)
+            if finish_reason is None:
                 stream_choice = ChatCompletionStreamChoice(
                     i, delta, logprobs, None, token_ids=token_ids
                 )
             else:
                 self._finished[i] = True
                 stream_choice = ChatCompletionStreamChoice(
-                    i, delta, logprobs, out.finish_reason, out.stop_reason, token_ids
+                    i, delta, logprobs, finish_reason, out.stop_reason, token_ids
                 )
             chunk = self._chunk(stream_choice)
             if out.finish_reason is not None and not plan.include_usage:
@@ -924,12 +960,22 @@ class ChatResponder(_Responder):
                 logprobs = chat_logprobs(
                     self.tokenizer, c.token_ids, c.logprob_steps, plan.logprobs
                 )
+            text = "".join(c.text)
+            if plan.parsers is None:
+                message = ChatResponseMessage(plan.role, echo + text)
+                finish_reason = c.finish_reason or "stop"
+            else:
+                reasoning, content, tool_calls, called = plan.parsers.message(i, text)
+                message = ChatResponseMessage(
+                    plan.role, content, tool_calls=tool_calls, reasoning=reasoning
+                )
+                finish_reason = "tool_calls" if called else c.finish_reason or "stop"
             choices.append(
                 ChatCompletionResponseChoice(
                     i,
-                    ChatResponseMessage(plan.role, echo + "".join(c.text)),
+                    message,
                     logprobs,
-                    c.finish_reason or "stop",
+                    finish_reason,
                     c.stop_reason,
                     list(c.token_ids) if plan.return_token_ids else None,
                 )

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from ..client import ClientOptions, EngineSource
     from ._frontend import TextFrontend
+    from ._tools import ToolOptions
 
 __all__ = ["run_openai_server"]
 
@@ -38,6 +39,7 @@ async def run_openai_server(
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     keep_serving_on_engine_death: bool = False,
     merge_outputs: bool = False,
+    tool_options: ToolOptions | None = None,
     freeze_gc: bool = False,
     handle_signals: bool = True,
     access_log: bool = False,
@@ -59,7 +61,7 @@ async def run_openai_server(
     (``app.port`` is the bound port). ``generation_config`` and
     ``override_generation_config`` are `open_llm`'s (vLLM's ``--generation-config`` and
     ``--override-generation-config``), ``client_options`` its `ClientOptions`;
-    ``merge_outputs`` is `OpenAIServer`'s. With
+    ``merge_outputs`` and ``tool_options`` are `OpenAIServer`'s. With
     ``freeze_gc`` the startup heap (imports, tokenizer, engines' handshake) is collected
     once and frozen (``gc.freeze()``) when the server listens, as ``vllm serve`` does:
     the collector then never walks it again while serving. The process keeps it frozen
@@ -116,6 +118,7 @@ async def run_openai_server(
                 max_body_bytes=max_body_bytes,
                 model_root=None if model is None else str(model),
                 merge_outputs=merge_outputs,
+                tool_options=tool_options,
             )
 
             async def watch_engines() -> None:
