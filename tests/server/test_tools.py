@@ -203,3 +203,16 @@ def test_reasoning_streamed_and_not() -> None:
 def test_a_model_without_the_markers_gets_a_clear_400() -> None:
     message = str(_error(ToolOptions(reasoning_parser="deepseek_r1")))
     assert "could not locate think start/end tokens" in message
+
+
+def test_a_tool_parser_without_auto_tool_choice_is_inactive_as_in_vllm() -> None:
+    """vLLM builds no tool parser without --enable-auto-tool-choice: auto is refused and
+    required asks for the parser, even with --tool-call-parser given."""
+    options = ToolOptions(tool_call_parser="hermes")
+    assert '"auto" tool choice requires' in str(_error(options, tools=[TOOL]))
+    assert 'tool_choice="required" requires --tool-call-parser' in str(
+        _error(options, tools=[TOOL], tool_choice="required")
+    )
+    plan = _plan(options, tools=[TOOL], tool_choice="none")
+    assert plan.parsers is None
+    assert plan.params[0].skip_special_tokens

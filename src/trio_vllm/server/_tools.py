@@ -65,9 +65,15 @@ class ToolOptions(msgspec.Struct, frozen=True):
             )
 
     @property
+    def active_tool_parser(self) -> str | None:
+        """The tool parser that runs: vLLM builds none without
+        ``--enable-auto-tool-choice``, whatever ``--tool-call-parser`` says."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
+
+    @property
     def has_parser(self) -> bool:
-        """A per-request parser runs (vLLM: either flag names a parser)."""
-        return self.tool_call_parser is not None or self.reasoning_parser is not None
+        """A per-request parser runs (vLLM: a tool or a reasoning parser is active)."""
+        return self.active_tool_parser is not None or self.reasoning_parser is not None
 
 
 def tool_choice_of(req: ChatCompletionRequest) -> str | dict[str, Any] | None:
@@ -124,7 +130,7 @@ def check_tools(req: ChatCompletionRequest, options: ToolOptions) -> None:
                 param="tool_choice",
             )
     # The renderer's checks (vLLM's messages; no param).
-    if options.tool_call_parser is None:
+    if options.active_tool_parser is None:
         if choice == "auto" and not options.enable_auto_tool_choice:
             raise HTTPError(
                 '"auto" tool choice requires --enable-auto-tool-choice and '
@@ -149,7 +155,7 @@ def skip_special_tokens(req: ChatCompletionRequest, options: ToolOptions, choice
     """The request's ``skip_special_tokens`` after the parsers' ``adjust_request``:
     off for a tool parser when tools are used (markers may be special tokens), and
     always for the engine-based ``qwen3`` reasoning parser."""
-    if options.tool_call_parser is not None and req.tools and choice != "none":
+    if options.active_tool_parser is not None and req.tools and choice != "none":
         return False
     if options.reasoning_parser == "qwen3":
         return False
@@ -194,11 +200,8 @@ class ChoiceParsers:
                 if options.reasoning_parser is not None
                 else None
             )
-            tool = (
-                tool_parser_class(options.tool_call_parser)(tokenizer, tools)
-                if options.tool_call_parser is not None
-                else None
-            )
+            active = options.active_tool_parser
+            tool = tool_parser_class(active)(tokenizer, tools) if active is not None else None
             self.parsers.append(
                 ChatOutputParser(
                     reasoning,
@@ -214,11 +217,7 @@ class ChoiceParsers:
         """``(reasoning, content, tool_calls, auto_tools_called)`` of choice ``i``'s
         complete text (vLLM's full-response branches for none/auto)."""
         reasoning, content, calls = self.parsers[i].parse(text)
-        auto = (
-            bool(self.tool_choice in ("auto", None))
-            and self.options.enable_auto_tool_choice
-            and self.options.tool_call_parser is not None
-        )
+        auto = self.tool_choice in ("auto", None) and self.options.active_tool_parser is not None
         if not auto or not calls:
             return reasoning, content, [], False
         return reasoning, content, [_tool_call(c) for c in calls], True

@@ -41,6 +41,11 @@ class ChatOutputParser:
         self.tool_choice = tool_choice
         self.enable_auto_tools = enable_auto_tools
         self.include_reasoning = include_reasoning
+        # vLLM's `_engine_based`: no parser that is not engine-based (our tool parsers
+        # never are), which changes how the text after the reasoning is sent.
+        self._engine_based = tool_parser is None and (
+            reasoning_parser is None or reasoning_parser.engine_based_streaming
+        )
         # vLLM's StreamState.
         self._previous_text = ""
         self._previous_ids: list[int] = []
@@ -128,7 +133,13 @@ class ChatOutputParser:
                 current_text = ((message.content if message else None) or "") + (
                     (flush.content if flush else None) or ""
                 )
-                delta_text = current_text
+                if not self._engine_based:
+                    delta_text = current_text
+                elif current_text:
+                    # No tool phase follows: the flushed text goes out as content now.
+                    if message is None:
+                        message = DeltaMessage()
+                    message.content = current_text
 
         if self._in_tools() and self.tool_parser is not None:
             if not self._tool_text_started:
