@@ -55,6 +55,9 @@ def one_line_error(result: subprocess.CompletedProcess[str], status: int) -> str
         (["generate", "--bogus"], "usage: trio-vllm generate "),
         (["bench", "latency", "--bogus"], "usage: trio-vllm bench latency "),
         (["wire", "check", "x", "--bogus"], "usage: trio-vllm wire check "),
+        # before the subcommand: the top-level parser's option, so its usage
+        (["--bogus", "generate", "x"], "usage: trio-vllm [-h]"),
+        (["--log-level", "info", "--bogus", "generate", "x"], "usage: trio-vllm [-h]"),
     ],
 )
 def test_an_unknown_option_prints_the_usage_of_its_subcommand(args: list[str], usage: str) -> None:

@@ -130,3 +130,23 @@ async def test_two_frontends_share_one_engine(control_dir: PrivateIpcDir) -> Non
 
 def _context() -> zmq.Context[zmq.Socket[bytes]]:
     return zmq.Context.instance()
+
+
+def test_wire_stamps_the_client_index_on_adds_and_utilities() -> None:
+    from trio_vllm.client._wire import Wire
+    from trio_vllm.protocol import EngineCodec
+
+    wire = Wire.create(profile=None, vllm_version="0.32.0", allow_insecure_serialization=False)
+    wire.client_index, wire.client_count = 1, 2
+    wire.set_limits({0: {"max_model_len": 256}})
+    request = make_request([1, 2], max_tokens=4)
+    assert request.client_index == 0
+    wire.validate_request(request)
+    engine = EngineCodec()
+    added = engine.decode_input([bytes(f) for f in wire.encode_add(request)])
+    assert added.client_index == 1  # type: ignore[union-attr]
+    call = engine.decode_input(
+        [bytes(f) for f in wire.encode_utility(wire.client_index, 7, "is_sleeping", [])]
+    )
+    assert call.client_index == 1  # type: ignore[union-attr]
+    assert wire.limits.num_clients == 2

@@ -25,7 +25,7 @@ def test_project_urls() -> None:
 
 def test_the_light_extras_pull_no_torch() -> None:
     extras = PROJECT["optional-dependencies"]
-    for light in ("testing", "docs", "text"):
+    for light in ("testing", "docs", "text", "structured"):
         assert not any(req.startswith("torch") for req in extras[light]), light
     assert any(req.startswith("pytest") for req in extras["testing"])
     assert "test" not in extras  # replaced by testing (it pulled an unpinned torch)

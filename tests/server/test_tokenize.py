@@ -44,7 +44,12 @@ async def test_tokenize_and_detokenize(served: Served) -> None:
                   "continue_final_message": True},
         )  # fmt: skip
         assert r.status_code == 400
-        assert "Cannot set both" in r.json()["error"]["message"]
+        assert "Cannot set both" in r.json()["error"]["message"]  # vLLM's validator
+        r = await http.post(
+            "/tokenize", json={"messages": messages, "continue_final_message": True}
+        )
+        assert r.status_code == 400  # the default add_generation_prompt: transformers' text
+        assert "are not compatible" in r.json()["error"]["message"]
 
         # no length check, as vLLM: a prompt longer than the context is counted
         r = await http.post("/tokenize", json={"prompt": "x" * (max_len + 10)})

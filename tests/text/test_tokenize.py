@@ -51,7 +51,7 @@ def test_chat_continue_final_message(tiny: Tokenizer) -> None:
     msgs = [*MESSAGES, {"role": "assistant", "content": "Hel"}]
     text, _ = tokenize_chat(tiny, msgs, add_generation_prompt=False, continue_final_message=True)
     assert text.endswith("Hel")
-    with pytest.raises(InvalidRequestError, match="Cannot set both"):
+    with pytest.raises(InvalidRequestError, match="are not compatible"):
         tokenize_chat(tiny, msgs, continue_final_message=True)
 
 

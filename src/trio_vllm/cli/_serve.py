@@ -8,6 +8,9 @@ vLLM engine cores (``--engine vllm --vllm-python PY``), or headless engines star
 elsewhere that connect to ``--connect tcp://HOST:PORT`` (``--engines N``, data
 parallel included).
 
+--api-server-count N runs N such servers on one listening socket, all sharing the
+engines (as vllm serve --api-server-count N; /metrics sums over them).
+
 Exit status: 0 after SIGTERM or Ctrl-C (no new connections, running requests finish
 within --shutdown-grace, then the engines stop); 1 when the engines fail to start or die
 (every open stream ends with an error event first) unless
@@ -26,7 +29,7 @@ from ._engines import EnginePlan, UsageError, add_engine_arguments, engine_plan,
 if TYPE_CHECKING:
     import argparse
 
-    from ..client import ClientOptions
+    from ..client import ClientOptions, EngineSource
     from ..server._tools import ToolOptions
 
 __all__ = ["add_parser", "run"]
@@ -69,6 +72,15 @@ def add_parser(commands: Any) -> None:
         metavar="NAME",
         help="the model name(s) clients send; the first is the one responses carry "
         "(default: the model directory's name)",
+    )
+    h.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help="LoRA adapters served as model names: 'name=path' or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\' (as vllm serve; the '
+        "engines need LoRA enabled, e.g. --engine-args='--enable-lora ...')",
     )
     h.add_argument(
         "--max-request-body-bytes",
@@ -116,6 +128,24 @@ def add_parser(commands: Any) -> None:
         metavar="NAME",
         help="split the model's reasoning into the `reasoning` field: deepseek_r1 or qwen3",
     )
+    h.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N API-server processes on one listening socket, all sharing the "
+        "engines (as vllm serve --api-server-count; default 1: this process serves)",
+    )
+    # One server of an --api-server-count group (set by its parent, not by hand).
+    import argparse
+
+    for flag, kind in (
+        ("--attach-engines", str),
+        ("--api-server-index", int),
+        ("--listen-fd", int),
+        ("--api-server-parent", int),
+    ):
+        h.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
     e = add_engine_arguments(
         p,
         model_help="the model directory (tokenizer, chat template, generation config); "
@@ -235,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .._exceptions import EngineStartupError
     from ..server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE
+    from ..server._lora import parse_lora_modules
     from ..server._run import run_openai_server
 
     prog = "trio-vllm serve"
@@ -246,9 +277,23 @@ def run(args: argparse.Namespace) -> int:
             f"{prog}: error: needs {' and '.join(missing)}: pip install 'trio-vllm[serve]'\n"
         )
         return 2
+    attached = args.attach_engines is not None
     try:
         plan = _engine_plan(args)
-        engines = engine_source(args, plan)
+        if plan.model_dir is None:
+            raise UsageError(
+                "--connect without --model: the server renders text and chat with the "
+                "engines' model directory (tokenizer, chat template); give --model DIR"
+            )
+        engines: EngineSource
+        if attached:
+            from ..client import EngineAttachment
+
+            engines = EngineAttachment.from_json(args.attach_engines).client(args.api_server_index)
+        else:
+            engines = engine_source(args, plan)
+        if args.api_server_count < 1:
+            raise UsageError("--api-server-count must be at least 1")
         if not 0 <= args.port <= 65535:
             raise UsageError(f"--port must be in [0, 65535], got {args.port}")
         body_limit = args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES
@@ -262,12 +307,31 @@ def run(args: argparse.Namespace) -> int:
     except UsageError as exc:
         sys.stderr.write(f"{prog}: error: {exc}\n")
         return 2
+    try:
+        loras = parse_lora_modules(args.lora_modules or ())
+    except ValueError as exc:
+        sys.stderr.write(f"{prog}: error: {exc}\n")
+        return 2
     keys = args.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
     _log_to_stderr(args)
     options: ClientOptions = {**liveness}
     if args.ready_timeout is not None:
         options["ready_timeout"] = args.ready_timeout
     try:
+        if args.api_server_count > 1 and not attached:
+            from ._api_servers import run_api_servers
+
+            return trio.run(
+                lambda: run_api_servers(
+                    engines,
+                    count=args.api_server_count,
+                    child_argv=args.cli_argv,
+                    host=args.host,
+                    port=args.port,
+                    shutdown_grace=grace,
+                    ready_timeout=args.ready_timeout,
+                )
+            )
         return trio.run(
             lambda: run_openai_server(
                 engines,
@@ -286,6 +350,10 @@ def run(args: argparse.Namespace) -> int:
                 generation_config=args.generation_config,
                 override_generation_config=args.override_generation_config,
                 client_options=options,
+                lora_modules=loras,
+                listen_fd=args.listen_fd,
+                server_index=args.api_server_index,
+                parent_pid=args.api_server_parent,
             )
         )
     except BaseException as raised:

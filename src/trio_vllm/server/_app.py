@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import secrets
 import time
 from contextlib import AsyncExitStack
@@ -34,6 +35,12 @@ from ._http import (
     send_bytes,
     send_error,
 )
+from ._lora import (
+    LoadLoRAAdapterRequest,
+    LoRAAdapters,
+    UnloadLoRAAdapterRequest,
+    runtime_lora_updating_allowed,
+)
 from ._metrics import ServerMetrics
 from ._openai import (
     DONE,
@@ -52,6 +59,7 @@ from ._schemas import (
     ModelList,
     ModelPermission,
 )
+from ._structured import warn_removed_guided_fields
 from ._tokenize import (
     decode_detokenize_request,
     decode_tokenize_request,
@@ -65,8 +73,12 @@ if TYPE_CHECKING:
 
     _Endpoint = Callable[[Scope, ASGIReceive, ASGISend], Awaitable[int]]
 
-    from ..text import RequestOutput
-    from ._frontend import TextFrontend
+    from contextlib import AbstractAsyncContextManager
+
+    from ..protocol import SamplingParams
+    from ..text import RequestOutput, TokensPrompt
+    from ._frontend import OutputStreamLike, TextFrontend
+    from ._lora import LoRAModulePath
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "OpenAIServer"]
 
@@ -88,6 +100,8 @@ _FIELDS = {
     "chat": frozenset(ChatCompletionRequest.__struct_fields__),
 }
 _RAW_KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_LOAD_LORA = msgspec.json.Decoder(LoadLoRAAdapterRequest, strict=False)
+_UNLOAD_LORA = msgspec.json.Decoder(UnloadLoRAAdapterRequest, strict=False)
 _DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
     "completion": msgspec.json.Decoder(CompletionRequest, strict=False),
     "chat": msgspec.json.Decoder(ChatCompletionRequest, strict=False),
@@ -95,14 +109,16 @@ _DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
 
 
 class _Open:
-    """One generation request in flight (the server's registry entry)."""
+    """One generation request in flight (the server's registry entry); ``grace`` is the
+    scope its generation runs in, whose deadline `OpenAIServer.begin_shutdown` sets."""
 
-    __slots__ = ("endpoint", "request_id", "started")
+    __slots__ = ("endpoint", "grace", "request_id", "started")
 
     def __init__(self, endpoint: str, request_id: str, started: float) -> None:
         self.endpoint = endpoint
         self.request_id = request_id
         self.started = started
+        self.grace: anyio.CancelScope | None = None
 
 
 class OpenAIServer:
@@ -140,6 +156,8 @@ class OpenAIServer:
         system_fingerprint: str | None = f"trio-vllm-{__version__}",
         merge_outputs: bool = False,
         tool_options: ToolOptions | None = None,
+        lora_modules: Sequence[LoRAModulePath] = (),
+        allow_runtime_lora_updating: bool | None = None,
     ) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
@@ -158,9 +176,14 @@ class OpenAIServer:
         self.metrics = ServerMetrics(names[0])
         self.port: int | None = None  # set by the runner once the socket listens
         self._dead = False
+        self._shutdown_deadline = math.inf  # begin_shutdown's: when requests are ended
+        self._shutdown_grace = 0.0
         self._open: dict[int, _Open] = {}
         self._next = 0
         self._created = int(time.time())
+        self.loras = LoRAAdapters(names)
+        self._static_loras = list(lora_modules)
+        self._lora_lock = anyio.Lock()
         self._routes: dict[str, tuple[str, _Endpoint]] = {
             "/v1/completions": ("POST", self._completions),
             "/v1/chat/completions": ("POST", self._chat),
@@ -172,6 +195,15 @@ class OpenAIServer:
             "/version": ("GET", self._version),
             "/metrics": ("GET", self._metrics),
         }
+        if allow_runtime_lora_updating is None:
+            allow_runtime_lora_updating = runtime_lora_updating_allowed()
+        if allow_runtime_lora_updating:
+            logger.warning(
+                "LoRA dynamic loading & unloading is enabled in the API server. "
+                "This should ONLY be used for local development!"
+            )
+            self._routes["/v1/load_lora_adapter"] = ("POST", self._load_lora)
+            self._routes["/v1/unload_lora_adapter"] = ("POST", self._unload_lora)
 
     # ------------------------------------------------------------------ state
 
@@ -183,10 +215,43 @@ class OpenAIServer:
     def mark_dead(self) -> None:
         self._dead = True
 
+    def begin_shutdown(self, grace: float) -> None:
+        """Give the generation requests in flight, and any that still arrive, ``grace``
+        more seconds (the runner calls it on SIGTERM, with the HTTP server's drain).
+
+        A request still generating then is cancelled (its engine requests aborted) and
+        answered: a stream ends with an error event (503 ``ServiceUnavailableError``)
+        and ``data: [DONE]``, a non-streaming request gets that 503; each is logged at
+        WARNING. Calling it again only ever brings the deadline closer. Call it from the
+        app's event loop.
+        """
+        deadline = min(self._shutdown_deadline, anyio.current_time() + grace)
+        self._shutdown_deadline = deadline
+        self._shutdown_grace = grace
+        for entry in self._open.values():
+            if entry.grace is not None:
+                entry.grace.deadline = deadline
+
     @property
     def open_requests(self) -> list[str]:
         """Request ids of the generation requests in flight (the server's registry)."""
         return [o.request_id for o in self._open.values()]
+
+    async def load_static_loras(self) -> None:
+        """Load the ``lora_modules`` on the engines, in order (vLLM's
+        ``init_static_loras``). Raises ``ValueError`` with the first failure's message.
+        Cancellation: the adapters loaded so far stay served."""
+        for module in self._static_loras:
+            request = LoadLoRAAdapterRequest(
+                lora_name=module.name,
+                lora_path=module.path,
+                is_3d_lora_weight=module.is_3d_lora_weight,
+            )
+            async with self._lora_lock:
+                try:
+                    await self.loras.load(self.llm.client, request, module.base_model_name)
+                except HTTPError as exc:
+                    raise ValueError(exc.message) from None
 
     # ------------------------------------------------------------------ ASGI
 
@@ -279,12 +344,64 @@ class OpenAIServer:
             )
             for name in self.model_names
         ]
+        cards.extend(
+            ModelCard(
+                id=lora.lora_name,
+                object="model",
+                created=self._created,
+                owned_by="vllm",
+                root=lora.lora_path,
+                parent=lora.base_model_name or self.model_names[0],
+                max_model_len=None,
+                permission=[
+                    ModelPermission(
+                        f"modelperm-{secrets.token_hex(16)}", "model_permission", self._created
+                    )
+                ],
+            )
+            for lora in self.loras.requests.values()
+        )
         await send_bytes(send, 200, encode(ModelList("list", cards)))
         return 200
 
     async def _metrics(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
         body, content_type = self.metrics.render()
         await send_bytes(send, 200, body, [(b"content-type", content_type.encode())])
+        return 200
+
+    # ------------------------------------------------------------------ LoRA
+
+    async def _load_lora(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        return await self._lora_call(scope, receive, send, load=True)
+
+    async def _unload_lora(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        return await self._lora_call(scope, receive, send, load=False)
+
+    async def _lora_call(
+        self, scope: Scope, receive: ASGIReceive, send: ASGISend, *, load: bool
+    ) -> int:
+        """``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``: vLLM's plain-text
+        success answer, its JSON errors. One load or unload at a time (vLLM locks per
+        name; one lock is simpler and these are rare)."""
+        try:
+            body = await read_body(scope, receive, self.max_body_bytes)
+        except ClientDisconnected:
+            return 0
+        try:
+            _check_json(scope)
+            try:
+                req = (_LOAD_LORA if load else _UNLOAD_LORA).decode(body)
+            except msgspec.DecodeError as exc:  # ValidationError included
+                raise HTTPError(f"1 validation error:\n  {exc}", err_type="Bad Request") from None
+            async with self._lora_lock:
+                if isinstance(req, LoadLoRAAdapterRequest):
+                    text = await self.loras.load(self.llm.client, req)
+                else:
+                    text = self.loras.unload(req)
+        except HTTPError as exc:
+            await send_error(send, exc)
+            return exc.status
+        await send_bytes(send, 200, text.encode(), [])
         return 200
 
     # ------------------------------------------------------------------ tokenizer
@@ -354,6 +471,7 @@ class OpenAIServer:
         unknown = raw.keys() - _FIELDS[kind]
         extra: dict[str, object] = {}
         if unknown:
+            warn_removed_guided_fields(unknown)
             # vLLM's fields that trio-vllm lacks are checked (accepted when harmless,
             # else 400), not ignored: only the rest is logged as ignored.
             ignored = unknown - UNSUPPORTED_FIELDS.keys()
@@ -400,7 +518,7 @@ class OpenAIServer:
             return exc.status
         key = self._next
         self._next += 1
-        self._open[key] = _Open(kind, plan.request_id, received)
+        entry = self._open[key] = _Open(kind, plan.request_id, received)
         self.metrics.request_started()
         outcome = _Outcome()
         try:
@@ -412,14 +530,14 @@ class OpenAIServer:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, outcome)
                     try:
-                        await self._run(kind, plan, send, received, outcome)
+                        await self._run_in_grace(entry, kind, plan, send, received, outcome)
                     finally:
                         nursery.cancel_scope.cancel()
             else:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, outcome)
                     try:
-                        await self._run(kind, plan, send, received, outcome)
+                        await self._run_in_grace(entry, kind, plan, send, received, outcome)
                     finally:
                         tg.cancel_scope.cancel()
             return outcome.status  # 0 after a disconnect: nobody to answer
@@ -428,14 +546,42 @@ class OpenAIServer:
             self.metrics.request_ended()
 
     def _check_model(self, model: str | None) -> str:
+        """The name responses carry: the first served name, or a LoRA adapter's."""
         if not model or model in self._name_set:
             return self.model_names[0]
+        if model in self.loras.requests:
+            return model
         raise HTTPError(
             f"The model `{model}` does not exist. Valid aliases: {', '.join(self.model_names)}.",
             404,
             err_type="NotFoundError",
             param="model",
         )
+
+    async def _run_in_grace(
+        self,
+        entry: _Open,
+        kind: str,
+        plan: GenerationPlan,
+        send: ASGISend,
+        received: float,
+        outcome: _Outcome,
+    ) -> None:
+        """`_run` within the shutdown grace: past `begin_shutdown`'s deadline the
+        generation is cancelled (its requests aborted) and the client told so, instead
+        of the connection being cut when the HTTP server's own drain ends."""
+        with anyio.CancelScope(deadline=self._shutdown_deadline) as grace:
+            entry.grace = grace
+            await self._run(kind, plan, send, received, outcome)
+        if grace.cancelled_caught and not outcome.complete:
+            logger.warning(
+                "%s request %s outlived the shutdown grace period (%g s): ended with %s",
+                kind,
+                plan.request_id,
+                self._shutdown_grace,
+                "an error event and [DONE]" if outcome.started else "HTTP 503",
+            )
+            await _send_failure(send, _shutdown_error(self._shutdown_grace), outcome)
 
     async def _run(
         self, kind: str, plan: GenerationPlan, send: ASGISend, received: float, outcome: _Outcome
@@ -451,8 +597,8 @@ class OpenAIServer:
         last = b""  # the final output's events: they go out with the tail, one send fewer
         try:
             if len(plan.prompts) == 1:  # the common case, without the stack and the pumps
-                async with self.llm.generate(
-                    plan.prompts[0], plan.params[0], request_id=plan.engine_ids[0]
+                async with self._generate(
+                    plan.prompts[0], plan.params[0], plan.engine_ids[0], plan.model
                 ) as stream:
                     if plan.stream:
                         await send(_SSE_START)
@@ -492,6 +638,15 @@ class OpenAIServer:
         else:
             await send_bytes(send, 200, tail)
 
+    def _generate(
+        self, prompt: TokensPrompt, params: SamplingParams, engine_id: str, model: str
+    ) -> AbstractAsyncContextManager[OutputStreamLike]:
+        """The frontend's ``generate``, with the adapter ``model`` names (if any)."""
+        lora = self.loras.get(model)
+        if lora is None:  # keyword left off: frontends without LoRA need not take it
+            return self.llm.generate(prompt, params, request_id=engine_id)
+        return self.llm.generate(prompt, params, request_id=engine_id, lora_request=lora)
+
     async def _run_batch(
         self,
         plan: GenerationPlan,
@@ -505,7 +660,7 @@ class OpenAIServer:
         async with AsyncExitStack() as stack:
             streams = [
                 await stack.enter_async_context(
-                    self.llm.generate(prompt, params, request_id=engine_id)
+                    self._generate(prompt, params, engine_id, plan.model)
                 )
                 for prompt, params, engine_id in zip(
                     plan.prompts, plan.params, plan.engine_ids, strict=True
@@ -653,6 +808,15 @@ def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
 def _dead_error() -> HTTPError:
     return HTTPError(
         "The engine is dead; this server no longer serves requests.",
+        503,
+        err_type="ServiceUnavailableError",
+    )
+
+
+def _shutdown_error(grace: float) -> HTTPError:
+    return HTTPError(
+        f"The server is shutting down: the request outlived the shutdown grace period "
+        f"({grace:g} s).",
         503,
         err_type="ServiceUnavailableError",
     )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from ..protocol import RequestOutputKind, SamplingParams
+from ..protocol import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from ..protocol.rules import (
     CHAT,
     COMPLETION,
@@ -54,9 +54,11 @@ from ._schemas import (
     CompletionResponseChoice,
     CompletionStreamChoice,
     CompletionStreamResponse,
+    PromptLogprob,
     StreamUsage,
     UsageInfo,
 )
+from ._structured import structured_outputs_for
 from ._tools import (
     ChoiceParsers,
     ToolOptions,
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
     from ..protocol.rules import Violation
     from ..text import CompletionOutput, Logprob, RequestOutput, SamplingDefaults, TokensPrompt
     from ._frontend import TextFrontend, TokenizerLike
+    from ._schemas import PromptLogprobsJSON
 
 __all__ = [
     "ChatResponder",
@@ -106,6 +109,7 @@ class GenerationPlan:
         "n",
         "params",
         "parsers",
+        "prompt_logprobs",
         "prompts",
         "request_id",
         "return_token_ids",
@@ -131,6 +135,7 @@ class GenerationPlan:
         echo_only: bool = False,
         role: str = "assistant",
         parsers: ChoiceParsers | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.created = int(time.time())
@@ -149,6 +154,7 @@ class GenerationPlan:
         self.role = role
         # Chat with --tool-call-parser/--reasoning-parser: the choices' parsers.
         self.parsers = parsers
+        self.prompt_logprobs = prompt_logprobs  # asked for: the response carries them
 
 
 # ----------------------------------------------------------------------------- planning
@@ -229,6 +235,8 @@ def _sampling_params(
     n: int,
     max_tokens: int,
     logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     # vLLM's to_sampling_params: the request's value, else the model's default (its
     # generation config), else the OpenAI default.
@@ -256,6 +264,7 @@ def _sampling_params(
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
@@ -263,6 +272,7 @@ def _sampling_params(
         logit_bias=logit_bias,
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words or None,
+        structured_outputs=structured_outputs,
         skip_clone=True,  # built for this request only (vLLM's OpenAI layer does the same)
     )
     # vLLM's to_sampling_params makes a SamplingParams, which checks its values; the
@@ -290,6 +300,7 @@ def plan_completion(
     """Check a completion request and tokenize its prompt(s); `HTTPError` if bad."""
     limits = _limits(llm.max_model_len)
     _common_checks(req, extra, limits)
+    structured = structured_outputs_for(req.response_format, req.structured_outputs, chat=False)
     _refuse(COMPLETION.check(req, limits))
     prompt = req.prompt
     assert prompt is not None  # COMPLETION's rule
@@ -354,6 +365,8 @@ def plan_completion(
                 n=req.n,
                 max_tokens=1 if echo_only else max_tokens,
                 logprobs=req.logprobs,
+                prompt_logprobs=req.prompt_logprobs,
+                structured_outputs=structured,
             )
         )
         echo_texts.append(text)
@@ -373,6 +386,7 @@ def plan_completion(
         return_token_ids=bool(req.return_token_ids),
         echo_texts=echo_texts if req.echo else None,
         echo_only=echo_only,
+        prompt_logprobs=req.prompt_logprobs,
     )
 
 
@@ -410,6 +424,9 @@ def plan_chat(
     n = 1 if req.n is None else req.n
     limits = _limits(llm.max_model_len)
     _common_checks(req, extra, limits)
+    structured = structured_outputs_for(
+        req.response_format, req.structured_outputs, chat=True, tool_choice=req.tool_choice
+    )
     _refuse(CHAT.check(req, limits))
     top = 0 if req.top_logprobs is None else req.top_logprobs
     check_tools(req, tool_options)
@@ -450,7 +467,19 @@ def plan_chat(
     defaults = llm.sampling_defaults
     max_tokens = defaults.max_tokens(requested, max_model_len - len(ids))
     logprobs = top if req.logprobs else None
-    params = _sampling_params(req, defaults, n=n, max_tokens=max_tokens, logprobs=logprobs)
+    # vLLM's to_sampling_params: an echo without prompt_logprobs asks for top_logprobs
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo:
+        prompt_logprobs = req.top_logprobs
+    params = _sampling_params(
+        req,
+        defaults,
+        n=n,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        structured_outputs=structured,
+    )
     parsers = None
     if tool_options.has_parser:
         skip = skip_special_tokens(req, tool_options, tool_choice)
@@ -487,6 +516,7 @@ def plan_chat(
         echo_texts=echo,
         role=role,
         parsers=parsers,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -592,6 +622,25 @@ def chat_logprobs(
     return ChatCompletionLogProbs(content)
 
 
+def prompt_logprobs_json(
+    positions: Sequence[Mapping[int, Logprob] | None],
+) -> PromptLogprobsJSON:
+    """vLLM's ``clamp_prompt_logprobs`` (``-inf`` becomes -9999.0, nothing else changes)
+    and its JSON shape: ``null`` or ``{token id: {logprob, rank, decoded_token}}``."""
+    inf = float("-inf")
+    return [
+        None
+        if pos is None
+        else {
+            tid: PromptLogprob(
+                _LOGPROB_FLOOR if lp.logprob == inf else lp.logprob, lp.rank, lp.decoded_token
+            )
+            for tid, lp in pos.items()
+        }
+        for pos in positions
+    ]
+
+
 class GenerationError(Exception):
     """A completion finished with ``finish_reason="error"`` (vLLM: HTTP 500)."""
 
@@ -639,9 +688,23 @@ class _Responder:
             and plan.parsers is None
         )
         self._templates: dict[int, tuple[bytes, bytes] | None] = {}
+        # (prompt, child) -> the prompt logprobs its outputs brought (non-streaming
+        # responses carry them; with n > 1 each child brings the same, the first is kept)
+        self._prompt_lps: dict[tuple[int, int], list[Mapping[int, Logprob] | None]] = {}
 
     def on_output(self, prompt_idx: int, res: RequestOutput) -> bytes:
         raise NotImplementedError
+
+    def _keep_prompt_logprobs(self, prompt_idx: int, res: RequestOutput) -> None:
+        if res.prompt_logprobs:
+            child = res.outputs[0].index if res.outputs else 0
+            self._prompt_lps.setdefault((prompt_idx, child), []).extend(res.prompt_logprobs)
+
+    def _prompt_logprobs(self, prompt_idx: int) -> PromptLogprobsJSON | None:
+        if self.plan.prompt_logprobs is None:
+            return None
+        keys = sorted(k for k in self._prompt_lps if k[0] == prompt_idx)
+        return prompt_logprobs_json(self._prompt_lps[keys[0]] if keys else [])
 
     def on_outputs(self, prompt_idx: int, outs: Sequence[RequestOutput]) -> bytes:
         """`on_output` of each output in turn: their SSE events, concatenated."""
@@ -674,6 +737,8 @@ class CompletionResponder(_Responder):
         """Record one DELTA output; the SSE events to send for it (streaming), else b""."""
         plan = self.plan
         events: list[bytes] = []
+        if plan.prompt_logprobs is not None and not plan.stream:
+            self._keep_prompt_logprobs(prompt_idx, res)
         for out in res.outputs:
             if out.finish_reason == "error":
                 raise GenerationError("Internal server error")
@@ -799,7 +864,7 @@ class CompletionResponder(_Responder):
                     c.finish_reason,
                     c.stop_reason,
                     list(c.token_ids) if plan.return_token_ids else None,
-                    None,
+                    self._prompt_logprobs(prompt_idx),
                     pids if plan.return_token_ids else None,
                 )
             )
@@ -833,6 +898,8 @@ class ChatResponder(_Responder):
     def on_output(self, prompt_idx: int, res: RequestOutput) -> bytes:
         plan = self.plan
         events: list[bytes] = []
+        if plan.prompt_logprobs is not None and not plan.stream:
+            self._keep_prompt_logprobs(prompt_idx, res)
         if plan.stream and self._first:
             self._first = False
             for i in range(plan.n):
@@ -989,7 +1056,7 @@ class ChatResponder(_Responder):
             None,
             self.fingerprint,
             self._usage(),
-            None,
+            self._prompt_logprobs(0),
             plan.prompts[0]["prompt_token_ids"] if plan.return_token_ids else None,
         )
         return encode(body)

@@ -41,6 +41,8 @@ __all__ = [
     "ModelCard",
     "ModelList",
     "ModelPermission",
+    "PromptLogprob",
+    "PromptLogprobsJSON",
     "StreamOptions",
     "StreamUsage",
     "UsageInfo",
@@ -83,11 +85,15 @@ class _SamplingFields(Struct, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
     request_id: str | None = None
     return_token_ids: bool | None = None
     use_beam_search: bool = False
     priority: int = 0
+    # Read by server/_structured.py as vLLM's request models read them.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -157,11 +163,14 @@ _SHARED_SUPPORT: dict[str, FieldSupport] = {
     "skip_special_tokens": "implemented",
     "spaces_between_special_tokens": "implemented",
     "allowed_token_ids": "implemented",
+    "prompt_logprobs": "implemented",
     "bad_words": "implemented",
     "request_id": "implemented",
     "return_token_ids": "implemented",
     "use_beam_search": "refused",
     "priority": "refused",  # the text layer's generate takes no priority yet
+    "response_format": "implemented",  # server/_structured.py
+    "structured_outputs": "implemented",
 }
 DECLARED_FIELDS["completion"].update(
     _SHARED_SUPPORT,
@@ -192,16 +201,12 @@ DECLARED_FIELDS["chat"].update(
 )
 
 #: Fields of vLLM's request models that trio-vllm does not declare, with the values it
-#: accepts because they change nothing (null, and for ``response_format`` the plain-text
-#: format vLLM also treats as none). Any other value gets HTTP 400 naming the field
+#: accepts because they change nothing (null). Any other value gets HTTP 400 naming the field
 #: instead of a result that silently differs from vLLM's; these are never logged as
 #: ignored. Implementing one is declaring it on the request struct (and in
 #: `DECLARED_FIELDS`) and removing it here.
 UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
-    "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None,),
     "logprob_token_ids": (None,),
-    "prompt_logprobs": (None,),
     "prompt_embeds": (None,),
     "truncate_prompt_tokens": (None,),
     "kv_transfer_params": (None,),
@@ -249,6 +254,19 @@ class CompletionLogProbs(Struct):
     top_logprobs: list[dict[str, float] | None]
 
 
+class PromptLogprob(Struct):
+    """One entry of ``prompt_logprobs`` (vLLM's ``Logprob`` dataclass as JSON)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+#: ``prompt_logprobs`` as vLLM answers it: per prompt position ``null`` (the first) or
+#: ``{token id (a JSON key): Logprob}``.
+PromptLogprobsJSON = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionResponseChoice(Struct):
     index: int
     text: str
@@ -256,7 +274,7 @@ class CompletionResponseChoice(Struct):
     finish_reason: str | None
     stop_reason: int | str | None
     token_ids: list[int] | None = None
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
     prompt_token_ids: list[int] | None = None
     routed_experts: None = None
 
@@ -342,7 +360,7 @@ class ChatCompletionResponse(Struct):
     service_tier: None
     system_fingerprint: str | None
     usage: UsageInfo
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
     kv_transfer_params: None = None

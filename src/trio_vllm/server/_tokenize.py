@@ -109,8 +109,12 @@ def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | Tokenize
         req = _CHAT.decode(body)
     except msgspec.ValidationError as exc:
         raise _validation_error(exc) from None
-    if req.continue_final_message and req.add_generation_prompt:
-        # vLLM's model validator (before the fields): the same text, HTTP 400.
+    if msgspec.json.decode(raw.get("continue_final_message", b"null")) and msgspec.json.decode(
+        raw.get("add_generation_prompt", b"null")
+    ):
+        # vLLM's model validator runs on the raw body: only both given and true get its
+        # text (with add_generation_prompt left at its default True, transformers' own
+        # refusal comes from tokenize_chat).
         raise HTTPError(
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
         )

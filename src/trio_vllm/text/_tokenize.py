@@ -25,6 +25,13 @@ if TYPE_CHECKING:
 
 __all__ = ["detokenize", "token_strs", "tokenize", "tokenize_chat"]
 
+_BOTH_FLAGS = (
+    "continue_final_message and add_generation_prompt are not compatible. Use "
+    "continue_final_message when you want the model to continue the final message, and "
+    "add_generation_prompt when you want to add a header that will prompt it to start a "
+    "new assistant message instead."
+)
+
 
 def tokenize(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool = True) -> list[int]:
     """The token ids of a text prompt, as vLLM's ``/tokenize`` gives them (no length
@@ -50,12 +57,12 @@ def tokenize_chat(
 
     vLLM merges the request's ``chat_template_kwargs`` under its explicit
     ``add_generation_prompt`` / ``continue_final_message`` (``merge_kwargs``: the explicit
-    fields win). Raises `InvalidRequestError` for both flags set, a bad message, a
-    missing template or one that raises."""
+    fields win). Raises `InvalidRequestError` for both flags set (transformers'
+    ``apply_chat_template`` message, which vLLM passes on when the request left
+    ``add_generation_prompt`` at its default), a bad message, a missing template or one
+    that raises."""
     if continue_final_message and add_generation_prompt:
-        raise InvalidRequestError(
-            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
-        )
+        raise InvalidRequestError(_BOTH_FLAGS)
     kwargs = dict(chat_template_kwargs or {})
     kwargs["add_generation_prompt"] = add_generation_prompt
     kwargs["continue_final_message"] = continue_final_message
