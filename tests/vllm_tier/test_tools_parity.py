@@ -78,7 +78,7 @@ def _summary(body: dict[str, Any], response: httpx.Response) -> dict[str, Any]:
                     "index": c["index"],
                     "content": c["message"]["content"],
                     "reasoning": c["message"].get("reasoning"),
-                    "tool_calls": [t["function"] for t in c["message"]["tool_calls"]],
+                    "tool_calls": [t["function"] for t in c["message"].get("tool_calls") or []],
                     "finish_reason": c["finish_reason"],
                 }
                 for c in data["choices"]
