@@ -24,7 +24,7 @@ import msgspec
 import pytest
 
 from trio_vllm.reference_engine import TINY_LLAMA_DIR
-from trio_vllm.server import OpenAIServer
+from trio_vllm.server import OpenAIServer, ToolOptions
 from trio_vllm.server._openai import GenerationPlan, plan_chat, plan_completion
 from trio_vllm.server._schemas import (
     DECLARED_FIELDS,
@@ -74,10 +74,11 @@ class _Frontend:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> tuple[str, list[int]]:
         # Every argument shows in the prompt, so a dropped one shows in the plan.
         text = json.dumps(
-            [list(messages), add_generation_prompt, chat_template, chat_template_kwargs],
+            [list(messages), add_generation_prompt, chat_template, chat_template_kwargs, tools],
             sort_keys=True,
         )
         return text, _TOKENIZER.encode(text, add_special_tokens=False)
@@ -141,7 +142,7 @@ _SAMPLES: dict[str, dict[str, tuple[dict[str, Any], object]]] = {
         "chat_template": ({}, "{{ messages[0]['content'] }}"),
         "chat_template_kwargs": ({}, {"x": 1}),
         "tools": ({}, [_TOOL]),
-        "tool_choice": ({}, "auto"),
+        "tool_choice": ({"tools": [_TOOL]}, "none"),
     },
 }
 
@@ -195,17 +196,34 @@ async def _call(app: OpenAIServer, path: str, body: dict[str, Any]) -> _Sent:
     return sent
 
 
+# Plans are built as `trio-vllm serve --enable-auto-tool-choice --tool-call-parser hermes`
+# (without the flags a request with tools gets a 400, as from vllm serve).
+_TOOL_FLAGS = ToolOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
+
+
 def _plan(kind: str, body: dict[str, Any]) -> GenerationPlan:
-    app = OpenAIServer(_Frontend())  # type: ignore[arg-type]
+    app = OpenAIServer(_Frontend(), tool_options=_TOOL_FLAGS)  # type: ignore[arg-type]
     scope = {"headers": [(b"content-type", b"application/json")]}
     req, extra = app._decode(kind, scope, json.dumps(body).encode())  # type: ignore[arg-type]
-    plan = plan_completion if kind == "completion" else plan_chat
-    return plan(req, app.llm, model="tiny-llama", header_request_id="fixed", extra=extra)
+    if kind == "completion":
+        return plan_completion(
+            req, app.llm, model="tiny-llama", header_request_id="fixed", extra=extra
+        )
+    return plan_chat(
+        req,
+        app.llm,
+        model="tiny-llama",
+        header_request_id="fixed",
+        extra=extra,
+        tool_options=app.tool_options,
+    )
 
 
 def _snapshot(plan: GenerationPlan) -> dict[str, object]:
     out = {name: getattr(plan, name) for name in GenerationPlan.__slots__ if name != "created"}
     out["params"] = [msgspec.structs.asdict(p) for p in plan.params]
+    # The per-choice parsers are fresh objects per plan: compare what they parse for.
+    out["parsers"] = None if plan.parsers is None else (plan.parsers.tool_choice, plan.n)
     return out
 
 

@@ -249,9 +249,9 @@ def drive_reasoning_parser(make: Any, to_data: Any, deltas: list[str]) -> dict[s
         )
         stream.append(None if result is None else _plain(to_data(result)))
         previous_text, previous_ids = current_text, current_ids
-    finish = getattr(parser, "finish_streaming", None)
-    if finish is not None:
-        result = finish()
+    # Engine-based parsers (qwen3) hold text back until the stream's end.
+    if getattr(parser, "engine_based_streaming", False):
+        result = parser.finish_streaming()
         stream.append({"finish": None if result is None else _plain(to_data(result))})
     all_ids = [i for d in deltas for i in delta_ids(d)]
     return {
@@ -259,4 +259,43 @@ def drive_reasoning_parser(make: Any, to_data: Any, deltas: list[str]) -> dict[s
         "stream": stream,
         "is_reasoning_end": parser.is_reasoning_end(all_ids),
         "content_ids": parser.extract_content_ids(all_ids),
+    }
+
+
+# The server's per-choice chain (vLLM's DelegatingParser; ours ChatOutputParser):
+# (reasoning parser or "", tool parser or "", tool_choice, case name, deltas).
+_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CHAIN_CASES: list[tuple[str, str, str, str, list[str]]] = [
+    ("", "hermes", "auto", "call-after-text", ["Let me ", "check.", *chars(_CALL, 9)]),
+    ("", "hermes", "auto", "plain", ["no ", "tools ", "here"]),
+    ("", "hermes", "none", "markup-is-content", ["x", *chars(_CALL, 11)]),
+    ("deepseek_r1", "hermes", "auto", "think-then-call",
+     ["<think>", "I should ", "call.", "</think>", "\n\n", *chars(_CALL, 8)]),
+    ("deepseek_r1", "", "auto", "think-then-answer", ["<think>", "hm", "</think>", "Yes", "."]),
+    ("qwen3", "hermes", "auto", "qwen3-think-then-call",
+     ["<think>", "\n", "plan", "\n", "</think>", "\n\n", *chars(_CALL, 10)]),
+    ("qwen3", "", "auto", "qwen3-think-then-answer",
+     ["<think>", "a", "</think>", "\n\n", "B", "!"]),
+    ("qwen3", "", "auto", "qwen3-end-and-text-in-one-delta", ["<think>x</think>\n\nok", " done"]),
+    ("qwen3", "", "auto", "qwen3-never-ends", ["<think>", "a </th"]),
+    ("qwen3", "hermes", "none", "qwen3-tools-none", ["r", "</think>", "t", *chars(_CALL, 13)]),
+]  # fmt: skip
+CHAIN_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+CHAIN_PROMPT_IDS = [151644, 872, 198, 151645]  # <|im_start|>user\n<|im_end|>: no reasoning end
+
+
+def drive_chain(make: Any, to_data: Any, deltas: list[str]) -> dict[str, Any]:
+    """The non-streaming ``parse`` and every ``parse_delta`` (the last one finished) of
+    fresh chains from ``make()``; tool-call ids checked and replaced."""
+    reasoning, content, calls = make().parse("".join(deltas))
+    chain = make()
+    stream: list[Any] = []
+    for k, delta in enumerate(deltas):
+        result = chain.parse_delta(
+            delta, delta_ids(delta), CHAIN_PROMPT_IDS, finished=k == len(deltas) - 1
+        )
+        stream.append(None if result is None else _plain(to_data(result)))
+    return {
+        "parse": [reasoning, content, None if calls is None else [to_data(c) for c in calls]],
+        "stream": stream,
     }

@@ -73,7 +73,57 @@ def main() -> None:
         out["reasoning"][f"{name}/{case}"] = parser_cases.drive_reasoning_parser(
             lambda cls=cls: Adapted(cls(tokenizer)), to_data, deltas
         )
+    out["chain"] = _chains(tokenizer, to_data)
     sys.stdout.write("@@RESULT@@" + json.dumps(out, indent=1, sort_keys=True, ensure_ascii=False))
+
+
+def _chains(tokenizer: object, to_data: object) -> dict[str, object]:
+    """The server-side chain: vLLM's composed DelegatingParser, driven as its chat
+    serving drives it (``parse``; ``parse_delta`` with the request)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser.parser_manager import ParserManager
+
+    class Chain:
+        def __init__(self, parser: object, request: object) -> None:
+            self.parser, self.request = parser, request
+
+        def parse(self, text: str) -> object:
+            reasoning, content, calls = self.parser.parse(  # type: ignore[attr-defined]
+                text, self.request, enable_auto_tools=True
+            )
+            if calls is not None:
+                calls = [{"name": c.name, "arguments": c.arguments} for c in calls]
+            return reasoning, content, calls
+
+        def parse_delta(self, delta: str, ids: list[int], prompt: list[int], *, finished: bool):  # type: ignore[no-untyped-def]
+            return self.parser.parse_delta(  # type: ignore[attr-defined]
+                delta, ids, self.request, prompt_token_ids=prompt, finished=finished
+            )
+
+    results: dict[str, object] = {}
+    for reasoning, tool, choice, case, deltas in parser_cases.CHAIN_CASES:
+        cls = ParserManager.get_parser(
+            tool_parser_name=tool or None,
+            reasoning_parser_name=reasoning or None,
+            enable_auto_tools=True,
+        )
+        assert cls is not None
+
+        def make(cls: object = cls, choice: str = choice) -> Chain:
+            request = ChatCompletionRequest(
+                messages=[{"role": "user", "content": "q"}],
+                tools=parser_cases.CHAIN_TOOLS,
+                tool_choice=choice,
+            )
+            parser = cls(tokenizer, request.tools, chat_template_kwargs={})  # type: ignore[operator]
+            return Chain(parser, request)
+
+        results[f"{reasoning}+{tool}/{choice}/{case}"] = parser_cases.drive_chain(
+            make,
+            lambda r: r if isinstance(r, dict) else to_data(r),
+            deltas,  # type: ignore[operator]
+        )
+    return results
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import pytest
 
 from trio_vllm.text.reasoning import reasoning_parser_class
 from trio_vllm.text.tools import (
+    ChatOutputParser,
     DeltaMessage,
     HermesToolParser,
     Llama3JsonToolParser,
@@ -69,6 +70,36 @@ def test_reasoning_parser_matches_vllm(name: str, case: str, deltas: list[str]) 
     assert ours_reasoning(name, deltas) == TABLE["reasoning"][f"{name}/{case}"]
 
 
+def ours_chain(reasoning: str, tool: str, choice: str, deltas: list[str]) -> dict[str, Any]:
+    tokenizer = parser_cases.FakeTokenizer()
+
+    def make() -> ChatOutputParser:
+        return ChatOutputParser(
+            reasoning_parser_class(reasoning)(tokenizer, chat_template_kwargs={})
+            if reasoning
+            else None,
+            tool_parser_class(tool)(tokenizer, parser_cases.CHAIN_TOOLS) if tool else None,
+            tool_choice=choice,
+            enable_auto_tools=True,
+        )
+
+    return parser_cases.drive_chain(make, _to_data, deltas)
+
+
+CHAIN_IDS = [f"{r}+{t}/{c}/{n}" for r, t, c, n, _ in parser_cases.CHAIN_CASES]
+
+
+@pytest.mark.parametrize(("reasoning", "tool", "choice", "case", "deltas"),
+                         parser_cases.CHAIN_CASES, ids=CHAIN_IDS)  # fmt: skip
+def test_the_server_chain_matches_vllm(
+    reasoning: str, tool: str, choice: str, case: str, deltas: list[str]
+) -> None:
+    """Reasoning, then tools, per choice: vLLM's DelegatingParser as its chat serving
+    drives it (``parse``, ``parse_delta`` with the prompt ids, the last one finished)."""
+    key = f"{reasoning}+{tool}/{choice}/{case}"
+    assert ours_chain(reasoning, tool, choice, deltas) == TABLE["chain"][key]
+
+
 def test_the_table_covers_every_case_and_says_something() -> None:
     """The recorded table has exactly the cases (no stale or missing entry), and the
     cases exercise what they claim: calls found, calls refused, deltas streamed."""
@@ -76,6 +107,7 @@ def test_the_table_covers_every_case_and_says_something() -> None:
     reasoning_keys = {f"{n}/{c}" for n, c, _ in parser_cases.REASONING_CASES}
     assert set(TABLE["tools"]) == tool_keys
     assert set(TABLE["reasoning"]) == reasoning_keys
+    assert set(TABLE["chain"]) == set(CHAIN_IDS)
     called = {k for k, v in TABLE["tools"].items() if v["extracted"]["tools_called"]}
     assert {"hermes/two-calls", "llama3_json/two-calls", "pythonic/two-calls"} <= called
     assert "hermes/bad-json" not in called

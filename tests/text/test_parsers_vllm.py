@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from . import parser_cases
-from .test_parsers import TABLE, ours_reasoning, ours_tools
+from .test_parsers import CHAIN_IDS, TABLE, ours_chain, ours_reasoning, ours_tools
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -63,3 +63,17 @@ def test_reasoning_parser_live(
     vllm_table: dict[str, dict[str, Any]], name: str, case: str, deltas: list[str]
 ) -> None:
     assert ours_reasoning(name, deltas) == vllm_table["reasoning"][f"{name}/{case}"]
+
+
+@pytest.mark.parametrize(("reasoning", "tool", "choice", "case", "deltas"),
+                         parser_cases.CHAIN_CASES, ids=CHAIN_IDS)  # fmt: skip
+def test_chain_live(
+    vllm_table: dict[str, dict[str, Any]],
+    reasoning: str,
+    tool: str,
+    choice: str,
+    case: str,
+    deltas: list[str],
+) -> None:
+    key = f"{reasoning}+{tool}/{choice}/{case}"
+    assert ours_chain(reasoning, tool, choice, deltas) == vllm_table["chain"][key]

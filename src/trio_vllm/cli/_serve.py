@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import argparse
 
     from ..client import ClientOptions, EngineSource
+    from ..server._tools import ToolOptions
 
 __all__ = ["add_parser", "run"]
 
@@ -109,6 +110,24 @@ def add_parser(commands: Any) -> None:
         "SSE event, as vllm serve does (default: one event per engine output)",
     )
     h.add_argument("--access-log", action="store_true", help="log every request (hypercorn)")
+    t = p.add_argument_group("tool calling and reasoning (as vllm serve)")
+    t.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='parse tool calls for tool_choice "auto" (needs --tool-call-parser)',
+    )
+    t.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="the model's tool-call format: hermes, llama3_json or pythonic",
+    )
+    t.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split the model's reasoning into the `reasoning` field: deepseek_r1 or qwen3",
+    )
     h.add_argument(
         "--api-server-count",
         type=int,
@@ -191,6 +210,20 @@ def _liveness_options(args: argparse.Namespace) -> ClientOptions:
     return options
 
 
+def _tool_options(args: argparse.Namespace) -> ToolOptions:
+    """The tool/reasoning flags; `UsageError` as vllm serve refuses to start."""
+    from ..server._tools import ToolOptions
+
+    try:
+        return ToolOptions(
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _json_object(text: str) -> dict[str, object]:
     import argparse
     import json
@@ -270,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
         if grace < 0:
             raise UsageError("--shutdown-grace must be >= 0")
         liveness = _liveness_options(args)
+        tool_options = _tool_options(args)
     except UsageError as exc:
         sys.stderr.write(f"{prog}: error: {exc}\n")
         return 2
@@ -310,6 +344,7 @@ def run(args: argparse.Namespace) -> int:
                 shutdown_grace=grace,
                 keep_serving_on_engine_death=args.keep_serving_on_engine_death,
                 merge_outputs=args.merge_outputs,
+                tool_options=tool_options,
                 freeze_gc=True,
                 access_log=args.access_log,
                 generation_config=args.generation_config,

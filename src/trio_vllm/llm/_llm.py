@@ -199,12 +199,15 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
         lora_request: LoRARequest | None = None,
     ) -> contextlib.AbstractAsyncContextManager[RequestOutputStream]:
         """Generate a reply to a conversation: `render_chat`, then `generate`.
 
-        ``messages`` are OpenAI-shaped (``{"role": ..., "content": ...}``). A bad
-        conversation or template raises `InvalidRequestError` here.
+        ``messages`` are OpenAI-shaped (``{"role": ..., "content": ...}``); ``tools``
+        (OpenAI tool definitions) reach the chat template as ``tools``, as vLLM's
+        ``LLM.chat(tools=...)``. A bad conversation or template raises
+        `InvalidRequestError` here.
         """
         processed = self._inputs.process_chat(
             self._new_id() if request_id is None else request_id,
@@ -213,6 +216,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
             lora_request=lora_request,
         )
         return self._stream(processed)
@@ -226,6 +230,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
         lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
         """`chat`, returning the final output (as `generate_final`)."""
@@ -237,6 +242,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
             lora_request=lora_request,
         ) as stream:
             return await _last_output(stream)
@@ -248,6 +254,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> tuple[str, list[int]]:
         """The prompt text and token ids of a conversation (the model's chat template,
         or ``chat_template``). Raises `InvalidRequestError`."""
@@ -256,6 +263,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
 
     async def abort(self, request_id: str) -> None:

@@ -17,6 +17,7 @@ from ._lora import parse_lora_modules as parse_lora_modules
 from ._run import run_openai_server as run_openai_server
 from ._serve import DEFAULT_SHUTDOWN_GRACE as DEFAULT_SHUTDOWN_GRACE
 from ._serve import serve_app as serve_app
+from ._tools import ToolOptions as ToolOptions
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -24,6 +25,7 @@ __all__ = [
     "LoRAModulePath",
     "OpenAIServer",
     "TextFrontend",
+    "ToolOptions",
     "parse_lora_modules",
     "run_openai_server",
     "serve_app",

@@ -66,6 +66,7 @@ from ._tokenize import (
     detokenize_response,
     tokenize_response,
 )
+from ._tools import ToolOptions
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -136,6 +137,8 @@ class OpenAIServer:
             them, instead of one event per engine output (the default). Fewer, larger
             events: less CPU per request under load, coarser timing for the client. A
             completions request with a list of prompts is merged per prompt either way.
+        tool_options: ``--enable-auto-tool-choice``, ``--tool-call-parser`` and
+            ``--reasoning-parser`` as `ToolOptions` (default: none of them, as vllm serve).
 
     The app is safe to call concurrently from any number of connections; on trio and
     on asyncio. `mark_dead` (the runner calls it when the engines die) turns
@@ -152,6 +155,7 @@ class OpenAIServer:
         model_root: str | None = None,
         system_fingerprint: str | None = f"trio-vllm-{__version__}",
         merge_outputs: bool = False,
+        tool_options: ToolOptions | None = None,
         lora_modules: Sequence[LoRAModulePath] = (),
         allow_runtime_lora_updating: bool | None = None,
     ) -> None:
@@ -168,6 +172,7 @@ class OpenAIServer:
         self.model_root = model_root
         self.fingerprint = system_fingerprint
         self.merge_outputs = merge_outputs
+        self.tool_options = tool_options if tool_options is not None else ToolOptions()
         self.metrics = ServerMetrics(names[0])
         self.port: int | None = None  # set by the runner once the socket listens
         self._dead = False
@@ -499,7 +504,14 @@ class OpenAIServer:
             plan = (
                 plan_completion(req, self.llm, model=model, header_request_id=rid, extra=extra)
                 if kind == "completion"
-                else plan_chat(req, self.llm, model=model, header_request_id=rid, extra=extra)
+                else plan_chat(
+                    req,
+                    self.llm,
+                    model=model,
+                    header_request_id=rid,
+                    extra=extra,
+                    tool_options=self.tool_options,
+                )
             )
         except HTTPError as exc:
             await send_error(send, exc)

@@ -24,6 +24,8 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
+    def token_to_id(self, token: str) -> int | None: ...
+
     @property
     def vocab_size(self) -> int: ...
 
@@ -85,4 +87,5 @@ class TextFrontend(Protocol):
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> tuple[str, list[int]]: ...

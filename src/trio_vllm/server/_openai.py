@@ -59,6 +59,14 @@ from ._schemas import (
     UsageInfo,
 )
 from ._structured import structured_outputs_for
+from ._tools import (
+    ChoiceParsers,
+    ToolOptions,
+    check_tools,
+    delta_fields,
+    skip_special_tokens,
+    tool_choice_of,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -100,6 +108,7 @@ class GenerationPlan:
         "model",
         "n",
         "params",
+        "parsers",
         "prompt_logprobs",
         "prompts",
         "request_id",
@@ -125,6 +134,7 @@ class GenerationPlan:
         echo_texts: list[str] | None = None,
         echo_only: bool = False,
         role: str = "assistant",
+        parsers: ChoiceParsers | None = None,
         prompt_logprobs: int | None = None,
     ) -> None:
         self.request_id = request_id
@@ -142,6 +152,8 @@ class GenerationPlan:
         self.echo_texts = echo_texts
         self.echo_only = echo_only  # echo with max_tokens=0: the prompt is the answer
         self.role = role
+        # Chat with --tool-call-parser/--reasoning-parser: the choices' parsers.
+        self.parsers = parsers
         self.prompt_logprobs = prompt_logprobs  # asked for: the response carries them
 
 
@@ -406,6 +418,7 @@ def plan_chat(
     model: str,
     header_request_id: str | None,
     extra: Mapping[str, object],
+    tool_options: ToolOptions = ToolOptions(),  # noqa: B008 - frozen, immutable
 ) -> GenerationPlan:
     """Check a chat request and render its messages; `HTTPError` if bad."""
     n = 1 if req.n is None else req.n
@@ -416,13 +429,8 @@ def plan_chat(
     )
     _refuse(CHAT.check(req, limits))
     top = 0 if req.top_logprobs is None else req.top_logprobs
-    if req.tools == []:
-        raise HTTPError("`tools` must not be an empty array.", param="tools")
-    if req.tools or (req.tool_choice not in (None, "none")):
-        raise HTTPError(
-            "Tool calling is not supported by trio-vllm serve.",
-            param="tools" if req.tools else "tool_choice",
-        )
+    check_tools(req, tool_options)
+    tool_choice = tool_choice_of(req)
     if req.continue_final_message:
         raise HTTPError(
             "`continue_final_message` is not supported by trio-vllm serve.",
@@ -444,6 +452,7 @@ def plan_chat(
             add_generation_prompt=req.add_generation_prompt,
             chat_template=req.chat_template,
             chat_template_kwargs=req.chat_template_kwargs,
+            tools=req.tools,
         )
     except ValueError as exc:  # InvalidRequestError included
         raise HTTPError(str(exc)) from None
@@ -471,6 +480,12 @@ def plan_chat(
         prompt_logprobs=prompt_logprobs,
         structured_outputs=structured,
     )
+    parsers = None
+    if tool_options.has_parser:
+        skip = skip_special_tokens(req, tool_options, tool_choice)
+        if skip != params.skip_special_tokens:
+            params = msgspec.structs.replace(params, skip_special_tokens=skip)
+        parsers = ChoiceParsers(req, tool_options, llm.tokenizer, n, tool_choice)
     request_id = f"chatcmpl-{base_request_id(header_request_id, req.request_id)}"
     include_usage, continuous = _usage_flags(req)
     role = "assistant" if req.add_generation_prompt else str(req.messages[-1]["role"])
@@ -500,6 +515,7 @@ def plan_chat(
         return_token_ids=bool(req.return_token_ids),
         echo_texts=echo,
         role=role,
+        parsers=parsers,
         prompt_logprobs=prompt_logprobs,
     )
 
@@ -669,6 +685,7 @@ class _Responder:
             and plan.logprobs is None
             and not plan.return_token_ids
             and not plan.continuous_usage
+            and plan.parsers is None
         )
         self._templates: dict[int, tuple[bytes, bytes] | None] = {}
         # (prompt, child) -> the prompt logprobs its outputs brought (non-streaming
@@ -937,15 +954,34 @@ class ChatResponder(_Responder):
                 continue
             choice.add(out, False)
             token_ids = list(out.token_ids) if plan.return_token_ids else None
-            delta = ChatDelta(content=out.text)
-            if out.finish_reason is None:
+            finish_reason = out.finish_reason
+            if plan.parsers is None:
+                delta = ChatDelta(content=out.text)
+            else:
+                message = plan.parsers.delta(
+                    i,
+                    out.text,
+                    list(out.token_ids),
+                    plan.prompts[0]["prompt_token_ids"],
+                    out.finish_reason is not None,
+                )
+                if message is None:
+                    # vLLM: nothing to send yet, unless the chunk carries more.
+                    if finish_reason is None and logprobs is None and token_ids is None:
+                        continue
+                    delta = ChatDelta()
+                else:
+                    delta = ChatDelta(**delta_fields(message))
+                if finish_reason is not None:
+                    finish_reason = plan.parsers.finish_reason(i, finish_reason)
+            if finish_reason is None:
                 stream_choice = ChatCompletionStreamChoice(
                     i, delta, logprobs, None, token_ids=token_ids
                 )
             else:
                 self._finished[i] = True
                 stream_choice = ChatCompletionStreamChoice(
-                    i, delta, logprobs, out.finish_reason, out.stop_reason, token_ids
+                    i, delta, logprobs, finish_reason, out.stop_reason, token_ids
                 )
             chunk = self._chunk(stream_choice)
             if out.finish_reason is not None and not plan.include_usage:
@@ -991,12 +1027,22 @@ class ChatResponder(_Responder):
                 logprobs = chat_logprobs(
                     self.tokenizer, c.token_ids, c.logprob_steps, plan.logprobs
                 )
+            text = "".join(c.text)
+            if plan.parsers is None:
+                message = ChatResponseMessage(plan.role, echo + text)
+                finish_reason = c.finish_reason or "stop"
+            else:
+                reasoning, content, tool_calls, called = plan.parsers.message(i, text)
+                message = ChatResponseMessage(
+                    plan.role, content, tool_calls=tool_calls, reasoning=reasoning
+                )
+                finish_reason = "tool_calls" if called else c.finish_reason or "stop"
             choices.append(
                 ChatCompletionResponseChoice(
                     i,
-                    ChatResponseMessage(plan.role, echo + "".join(c.text)),
+                    message,
                     logprobs,
-                    c.finish_reason or "stop",
+                    finish_reason,
                     c.stop_reason,
                     list(c.token_ids) if plan.return_token_ids else None,
                 )

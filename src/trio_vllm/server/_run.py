@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ..client import ClientOptions, EngineSource
     from ._frontend import TextFrontend
     from ._lora import LoRAModulePath
+    from ._tools import ToolOptions
 
 __all__ = ["run_openai_server"]
 
@@ -44,6 +45,7 @@ async def run_openai_server(
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     keep_serving_on_engine_death: bool = False,
     merge_outputs: bool = False,
+    tool_options: ToolOptions | None = None,
     freeze_gc: bool = False,
     handle_signals: bool = True,
     access_log: bool = False,
@@ -71,7 +73,8 @@ async def run_openai_server(
     app once it listens (``app.port`` is the bound port). ``generation_config`` and
     ``override_generation_config`` are `open_llm`'s (vLLM's ``--generation-config`` and
     ``--override-generation-config``), ``client_options`` its `ClientOptions`;
-    ``merge_outputs``, ``lora_modules`` and ``allow_runtime_lora_updating`` are
+    ``merge_outputs``, ``lora_modules``, ``allow_runtime_lora_updating`` and
+    ``tool_options`` are
     `OpenAIServer`'s (the adapters are loaded on the engines before the server
     listens; one that fails to load raises ``ValueError``). With
     ``freeze_gc`` the startup heap (imports, tokenizer, engines' handshake) is collected
@@ -157,6 +160,7 @@ async def run_openai_server(
                 max_body_bytes=max_body_bytes,
                 model_root=None if model is None else str(model),
                 merge_outputs=merge_outputs,
+                tool_options=tool_options,
                 lora_modules=lora_modules,
                 allow_runtime_lora_updating=allow_runtime_lora_updating,
             )

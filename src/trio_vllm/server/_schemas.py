@@ -196,8 +196,8 @@ DECLARED_FIELDS["chat"].update(
     add_special_tokens="implemented",
     chat_template="implemented",
     chat_template_kwargs="implemented",
-    tools="refused",
-    tool_choice="refused",
+    tools="implemented",
+    tool_choice="implemented",
 )
 
 #: Fields of vLLM's request models that trio-vllm does not declare, with the values it
@@ -338,7 +338,7 @@ class ChatResponseMessage(Struct):
     audio: None = None
     function_call: None = None
     tool_calls: list[Any] = msgspec.field(default_factory=list)
-    reasoning: None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionResponseChoice(Struct):
@@ -371,6 +371,8 @@ class ChatCompletionResponse(Struct):
 class ChatDelta(Struct):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning: str | UnsetType = UNSET
+    tool_calls: list[Any] | UnsetType = UNSET
 
 
 class ChatCompletionStreamChoice(Struct):

@@ -245,6 +245,7 @@ class SyncLLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
         lora_request: LoRARequest | None = None,
     ) -> SyncRequestOutputStream:
         """`LLM.chat` as a blocking iterator."""
@@ -256,6 +257,7 @@ class SyncLLM:
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
                 chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
                 lora_request=lora_request,
             )
         )
@@ -269,6 +271,7 @@ class SyncLLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
         lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
         """A reply to a conversation, final (as `generate_final`)."""
@@ -279,6 +282,7 @@ class SyncLLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
             lora_request=lora_request,
         )
         return self._loop.call(_run_final, context)
@@ -290,6 +294,7 @@ class SyncLLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> tuple[str, list[int]]:
         """The prompt text and token ids of a conversation (no engine involved)."""
         return self.llm.render_chat(
@@ -297,6 +302,7 @@ class SyncLLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
 
     def abort(self, request_id: str) -> None:

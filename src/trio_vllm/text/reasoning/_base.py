@@ -23,7 +23,15 @@ __all__ = ["ReasoningParser", "ThinkingReasoningParser"]
 
 class ReasoningParser:
     """Base of the reasoning parsers; one per request (streaming keeps state).
-    ``chat_template_kwargs`` are the request's (``qwen3`` reads ``enable_thinking``)."""
+    ``chat_template_kwargs`` are the request's (``qwen3`` reads ``enable_thinking``).
+
+    ``engine_based_streaming``: the parser itself says when reasoning ended
+    (`has_engine_confirmed_reasoning_end`) and may hold text back until
+    `finish_streaming`; otherwise the end is the end marker's token id in a delta
+    (`is_reasoning_end_streaming`), as vLLM's serving layer tells the two apart.
+    """
+
+    engine_based_streaming: bool = False
 
     def __init__(
         self, tokenizer: TokenLookup, *, chat_template_kwargs: Mapping[str, object] | None = None
@@ -38,6 +46,20 @@ class ReasoningParser:
     def extract_content_ids(self, input_ids: list[int]) -> list[int]:
         """The token ids after the reasoning section."""
         raise NotImplementedError
+
+    def is_reasoning_end_streaming(
+        self, input_ids: Sequence[int], delta_ids: Sequence[int]
+    ) -> bool:
+        """Whether reasoning ends in this delta (``delta_ids``)."""
+        raise NotImplementedError
+
+    def has_engine_confirmed_reasoning_end(self) -> bool:
+        """Whether the streamed text so far ended the reasoning (engine-based parsers)."""
+        return False
+
+    def finish_streaming(self) -> DeltaMessage | None:
+        """What the end of the stream releases (engine-based parsers); ``None`` here."""
+        return None
 
     def extract_reasoning(self, model_output: str) -> tuple[str | None, str | None]:
         """``(reasoning, content)`` of a complete output; never raises on model output."""
@@ -85,6 +107,11 @@ class ThinkingReasoningParser(ReasoningParser):
             if token_id == self.end_token_id:
                 return True
         return False
+
+    def is_reasoning_end_streaming(
+        self, input_ids: Sequence[int], delta_ids: Sequence[int]
+    ) -> bool:
+        return self.end_token_id in delta_ids
 
     def extract_content_ids(self, input_ids: list[int]) -> list[int]:
         if self.end_token_id not in input_ids[: max(0, len(input_ids) - 1)]:

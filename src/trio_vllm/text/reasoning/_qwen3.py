@@ -54,6 +54,8 @@ class Qwen3ReasoningParser(ReasoningParser):
     so no such drop is done here.
     """
 
+    engine_based_streaming = True
+
     def __init__(
         self, tokenizer: TokenLookup, *, chat_template_kwargs: Mapping[str, object] | None = None
     ) -> None:
@@ -201,6 +203,14 @@ class Qwen3ReasoningParser(ReasoningParser):
         if events or self._deferred_content:
             return self._to_delta(events, finished=True)
         return None
+
+    def has_engine_confirmed_reasoning_end(self) -> bool:
+        return self.reasoning_ended
+
+    def is_reasoning_end_streaming(
+        self, input_ids: Sequence[int], delta_ids: Sequence[int]
+    ) -> bool:
+        return any(t in self._end_ids for t in delta_ids)
 
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
         for token_id in reversed(input_ids):

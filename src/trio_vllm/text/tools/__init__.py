@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ._base import TokenLookup as TokenLookup
 from ._base import ToolParser as ToolParser
+from ._chat_parser import ChatOutputParser as ChatOutputParser
 from ._hermes import HermesToolParser as HermesToolParser
 from ._llama import Llama3JsonToolParser as Llama3JsonToolParser
 from ._pythonic import PythonicToolParser as PythonicToolParser
@@ -41,6 +42,7 @@ def tool_parser_class(name: str) -> type[ToolParser]:
 
 __all__ = [
     "TOOL_PARSERS",
+    "ChatOutputParser",
     "DeltaFunctionCall",
     "DeltaMessage",
     "DeltaToolCall",

@@ -54,13 +54,13 @@ class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
     arguments: str | None = None
 
 
-class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+class DeltaToolCall(msgspec.Struct, omit_defaults=True, kw_only=True):
     """A streamed piece of the tool call at ``index``; ``id`` and ``type`` come with
-    its first piece."""
+    its first piece. (Fields in vLLM's order, so the JSON reads the same.)"""
 
-    index: int
     id: str | None = None
     type: Literal["function"] | None = None
+    index: int
     function: DeltaFunctionCall | None = None
 
 
