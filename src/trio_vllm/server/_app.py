@@ -14,14 +14,14 @@ import logging
 import secrets
 import time
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 import anyio
-import msgspec
 import sniffio
 
 from .._exceptions import EngineDeadError, InvalidRequestError
 from .._version import __version__
+from ._decode import RequestKind, decode_request
 from ._http import (
     ASGIReceive,
     ASGISend,
@@ -45,7 +45,6 @@ from ._openai import (
     plan_completion,
 )
 from ._schemas import (
-    ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
@@ -74,16 +73,6 @@ _SSE_START = {"type": "http.response.start", "status": 200, "headers": _SSE_HEAD
 _NOT_FOUND = b'{"detail":"Not Found"}'
 _NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
 _UNAUTHORIZED = b'{"error":"Unauthorized"}'
-_JSON_CT = b"application/json"
-_FIELDS = {
-    "completion": frozenset(CompletionRequest.__struct_fields__),
-    "chat": frozenset(ChatCompletionRequest.__struct_fields__),
-}
-_RAW_KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])
-_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
-    "completion": msgspec.json.Decoder(CompletionRequest, strict=False),
-    "chat": msgspec.json.Decoder(ChatCompletionRequest, strict=False),
-}
 
 
 class _Open:
@@ -271,46 +260,8 @@ class OpenAIServer:
     async def _chat(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
         return await self._generation("chat", scope, receive, send)
 
-    def _decode(self, kind: str, scope: Scope, body: bytes) -> tuple[Any, dict[str, object]]:
-        content_type = header(scope, b"content-type") or b""
-        if content_type.split(b";", 1)[0].strip().lower() != _JSON_CT:
-            raise HTTPError(
-                "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
-                err_type="Bad Request",
-            )
-        try:
-            raw = _RAW_KEYS.decode(body)
-        except msgspec.ValidationError:
-            raise HTTPError(
-                "1 validation error:\n  Input should be a valid dictionary or object",
-                err_type="Bad Request",
-            ) from None
-        except msgspec.DecodeError as exc:
-            raise HTTPError(
-                f"1 validation error:\n  JSON decode error: {exc}", err_type="Bad Request"
-            ) from None
-        try:
-            req = _DECODERS[kind].decode(body)
-        except msgspec.ValidationError as exc:
-            message = str(exc)
-            param = None
-            if "`$." in message:
-                param = message.rsplit("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0]
-            raise HTTPError(
-                f"1 validation error:\n  {message}", err_type="Bad Request", param=param
-            ) from None
-        unknown = raw.keys() - _FIELDS[kind]
-        extra: dict[str, object] = {}
-        if unknown:
-            logger.warning(
-                "The following fields were present in the request but ignored: %s",
-                sorted(unknown),
-            )
-            extra = {k: msgspec.json.decode(raw[k]) for k in unknown}
-        return req, extra
-
     async def _generation(
-        self, kind: str, scope: Scope, receive: ASGIReceive, send: ASGISend
+        self, kind: RequestKind, scope: Scope, receive: ASGIReceive, send: ASGISend
     ) -> int:
         received = time.perf_counter()
         try:
@@ -321,7 +272,7 @@ class OpenAIServer:
             await send_error(send, exc)
             return exc.status
         try:
-            req, extra = self._decode(kind, scope, body)
+            req, extra = decode_request(kind, header(scope, b"content-type"), body)
             model = self._check_model(req.model)
             if self.dead:
                 raise _dead_error()
@@ -329,7 +280,7 @@ class OpenAIServer:
             rid = header_id.decode("latin-1") if header_id is not None else None
             plan = (
                 plan_completion(req, self.llm, model=model, header_request_id=rid, extra=extra)
-                if kind == "completion"
+                if isinstance(req, CompletionRequest)
                 else plan_chat(req, self.llm, model=model, header_request_id=rid, extra=extra)
             )
         except HTTPError as exc:
