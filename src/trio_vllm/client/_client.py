@@ -383,7 +383,7 @@ class EngineCoreClient(NamedUtilities):
         request_id, target, frames = self._prepare(request, rank)
         self._session.start_request(request_id, target)
         try:
-            await self._sender.send(target, frames)
+            await self._sender.send(target, frames, request_id=request_id)
         except BaseException:
             self._apply(self._session.end_request(request_id))
             raise
@@ -482,7 +482,7 @@ class EngineCoreClient(NamedUtilities):
         self._session.start_request(request_id, target, stream)
         sent = False
         try:
-            await self._sender.send(target, frames)
+            await self._sender.send(target, frames, request_id=request_id)
             sent = True
             self._apply(self._session.request_sent(target))
             yield stream
