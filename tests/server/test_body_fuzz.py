@@ -208,10 +208,14 @@ def test_wrong_content_type(content_type: bytes | None) -> None:
     assert _outcome("completion", _VALID["completion"], content_type) == 400
 
 
-def test_duplicate_keys_take_the_last_as_python_json() -> None:
+def test_duplicate_keys_and_a_bom_as_python_json() -> None:
     req, _ = decode_request("completion", _JSON, b'{"prompt": "a", "prompt": "b"}')
     assert isinstance(req, CompletionRequest)
     assert req.prompt == "b"
+    req, _ = decode_request("completion", _JSON, b'\xef\xbb\xbf{"prompt": "c"}')
+    assert isinstance(req, CompletionRequest)
+    assert req.prompt == "c"
+    assert _outcome("completion", b"\xef\xbb\xbf\xef\xbb\xbf{}") == 400  # one BOM only
 
 
 # ----------------------------------------------------------------------- through HTTP

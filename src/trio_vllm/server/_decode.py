@@ -7,7 +7,8 @@ with vLLM's error shape, never as another exception: a wrong content type, bytes
 are not UTF-8, text that is not JSON (``NaN``/``Infinity`` included, which strict JSON
 has not), nesting deeper than the decoder recurses, numbers out of range, a top level
 that is not an object, wrong field types. Duplicate keys are accepted, the last one
-winning, as Python's ``json`` (and so ``vllm serve``) takes them.
+winning, and a leading UTF-8 byte order mark is skipped, as Python's ``json`` (and so
+``vllm serve``) takes them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ RequestKind: TypeAlias = Literal["completion", "chat"]
 GenerationRequest: TypeAlias = CompletionRequest | ChatCompletionRequest
 
 _JSON_CT: Final = b"application/json"
+_BOM: Final = b"\xef\xbb\xbf"
 _FIELDS: Final = {
     "completion": frozenset(CompletionRequest.__struct_fields__),
     "chat": frozenset(ChatCompletionRequest.__struct_fields__),
@@ -56,6 +58,9 @@ def decode_request(
     """
     if (content_type or b"").split(b";", 1)[0].strip().lower() != _JSON_CT:
         raise _bad("Unsupported Media Type: Only 'application/json' is allowed")
+    if body.startswith(_BOM):
+        # Python's json.loads(bytes) (vLLM's parser) skips a UTF-8 byte order mark.
+        body = body[len(_BOM) :]
     try:
         # Keys first (values left raw, cheap): a top level that is not an object is
         # told apart from a field of the wrong type.
