@@ -70,6 +70,15 @@ def add_parser(commands: Any) -> None:
         "(default: the model directory's name)",
     )
     h.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help="LoRA adapters served as model names: 'name=path' or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\' (as vllm serve; the '
+        "engines need LoRA enabled, e.g. --engine-args='--enable-lora ...')",
+    )
+    h.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=None,
@@ -106,6 +115,24 @@ def add_parser(commands: Any) -> None:
         'vllm, the reference engine\'s otherwise (e.g. "--max-num-seqs=256")',
     )
     e.add_argument(
+        "--engine-hang-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="an engine that leaves heartbeats unanswered S seconds (stopped, frozen, host "
+        "or network gone) is dead: open streams end with an error, /health answers 503 "
+        "(default 30; 0: no heartbeats)",
+    )
+    e.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="an engine silent S seconds with requests in flight gets a probe; unanswered "
+        "S more seconds, it is dead (a stuck loop). Longer than the longest step "
+        "(default: off)",
+    )
+    e.add_argument(
         "--generation-config",
         default="auto",
         metavar="auto|vllm|DIR",
@@ -120,6 +147,27 @@ def add_parser(commands: Any) -> None:
         metavar="JSON",
         help="overrides the generation config, e.g. '{\"temperature\": 0.5}'",
     )
+
+
+def _liveness_options(args: argparse.Namespace) -> ClientOptions:
+    """``--engine-hang-timeout`` / ``--engine-stall-timeout`` as client options (0:
+    off); raises `UsageError` for a value the client would refuse."""
+    from ..client._options import resolve_options
+
+    options: ClientOptions = {}
+    for flag, key, value in (
+        ("--engine-hang-timeout", "hang_timeout", args.engine_hang_timeout),
+        ("--engine-stall-timeout", "stall_timeout", args.engine_stall_timeout),
+    ):
+        if value is None:
+            continue
+        seconds = None if value == 0 else float(value)
+        try:
+            resolve_options({key: seconds})
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"{flag}: {exc} (0: off)") from None
+        options[key] = seconds  # type: ignore[literal-required]  # key is one of the two
+    return options
 
 
 def _json_object(text: str) -> dict[str, object]:
@@ -163,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .._exceptions import EngineStartupError
     from ..server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE
+    from ..server._lora import parse_lora_modules
     from ..server._run import run_openai_server
 
     prog = "trio-vllm serve"
@@ -176,6 +225,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         plan = _engine_plan(args)
+        if plan.model_dir is None:
+            raise UsageError(
+                "--connect without --model: the server renders text and chat with the "
+                "engines' model directory (tokenizer, chat template); give --model DIR"
+            )
         engines = engine_source(args, plan)
         if not 0 <= args.port <= 65535:
             raise UsageError(f"--port must be in [0, 65535], got {args.port}")
@@ -185,12 +239,18 @@ def run(args: argparse.Namespace) -> int:
         grace = DEFAULT_SHUTDOWN_GRACE if args.shutdown_grace is None else args.shutdown_grace
         if grace < 0:
             raise UsageError("--shutdown-grace must be >= 0")
+        liveness = _liveness_options(args)
     except UsageError as exc:
+        sys.stderr.write(f"{prog}: error: {exc}\n")
+        return 2
+    try:
+        loras = parse_lora_modules(args.lora_modules or ())
+    except ValueError as exc:
         sys.stderr.write(f"{prog}: error: {exc}\n")
         return 2
     keys = args.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
     _log_to_stderr(args)
-    options: ClientOptions = {}
+    options: ClientOptions = {**liveness}
     if args.ready_timeout is not None:
         options["ready_timeout"] = args.ready_timeout
     try:
@@ -211,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
                 generation_config=args.generation_config,
                 override_generation_config=args.override_generation_config,
                 client_options=options,
+                lora_modules=loras,
             )
         )
     except BaseException as raised:

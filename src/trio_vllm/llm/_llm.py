@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Mapping, Sequence
 
     from ..client import ClientOptions, EngineCoreClient, EngineSource
+    from ..protocol import LoRARequest
     from ..text import (
         ChatMessage,
         ModelFiles,
@@ -142,6 +143,7 @@ class LLM:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> contextlib.AbstractAsyncContextManager[RequestOutputStream]:
         """Generate from ``prompt``: ``async with llm.generate(p, params) as stream``.
 
@@ -155,9 +157,17 @@ class LLM:
         aborts every unfinished child on the engine. Registering and sending are one step
         under cancellation: a cancelled ``__aenter__`` left nothing in this LLM and no
         request on the engine. Engine death raises `EngineDeadError`.
+
+        ``lora_request`` runs the request with that LoRA adapter (vLLM's
+        ``lora_request=``; the engines load it on first use). Engines without LoRA
+        support refuse it with `InvalidRequestError` when the block is entered, before
+        anything is sent.
         """
         processed = self._inputs.process_inputs(
-            self._new_id() if request_id is None else request_id, prompt, params
+            self._new_id() if request_id is None else request_id,
+            prompt,
+            params,
+            lora_request=lora_request,
         )
         return self._stream(processed)
 
@@ -167,6 +177,7 @@ class LLM:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
         """Generate and return the final output with all ``n`` completions.
 
@@ -174,7 +185,9 @@ class LLM:
         Cancellation aborts the request on the engine; errors as `generate`.
         """
         params = final_only(self.sampling_defaults, params)
-        async with self.generate(prompt, params, request_id=request_id) as stream:
+        async with self.generate(
+            prompt, params, request_id=request_id, lora_request=lora_request
+        ) as stream:
             return await _last_output(stream)
 
     def chat(
@@ -186,6 +199,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> contextlib.AbstractAsyncContextManager[RequestOutputStream]:
         """Generate a reply to a conversation: `render_chat`, then `generate`.
 
@@ -199,6 +213,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            lora_request=lora_request,
         )
         return self._stream(processed)
 
@@ -211,6 +226,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
         """`chat`, returning the final output (as `generate_final`)."""
         params = final_only(self.sampling_defaults, params)
@@ -221,6 +237,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            lora_request=lora_request,
         ) as stream:
             return await _last_output(stream)
 

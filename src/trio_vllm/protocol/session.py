@@ -250,12 +250,13 @@ class Aborted(Generic[S, C]):
 
 
 class _Rank:
-    __slots__ = ("reason", "served", "state")
+    __slots__ = ("heard", "reason", "served", "state")
 
     def __init__(self, state: RankState, *, served: bool) -> None:
         self.state = state
         self.served = served  # finished startup or a join (failed joins never did)
         self.reason: str | None = None
+        self.heard = 0  # output messages received from it (the stall watch's progress)
 
 
 class _Request(Generic[S]):
@@ -355,6 +356,12 @@ class ClientSession(Generic[S, C]):
 
     def in_flight(self, rank: int) -> int:
         return self._balancer.in_flight(rank)
+
+    def heard(self, rank: int) -> int:
+        """How many output messages (outputs, stats, utility replies) came from
+        ``rank`` since it served: each one is a step of its loop (the stall watch)."""
+        info = self._ranks.get(rank)
+        return 0 if info is None else info.heard
 
     @property
     def current_wave(self) -> int | None:
@@ -800,6 +807,7 @@ class ClientSession(Generic[S, C]):
             )
         if not info.served or info.state is RankState.LOST:
             return []  # a failed join's or a lost rank's late words
+        info.heard += 1
         actions: list[Action[S, C]] = []
         stats = outputs.scheduler_stats
         if stats is not None:

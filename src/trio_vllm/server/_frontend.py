@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Mapping, Sequence
+    from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
     from contextlib import AbstractAsyncContextManager
 
     from .._exceptions import EngineDeadError
-    from ..protocol import SamplingParams
+    from ..protocol import LoRARequest, SamplingParams
     from ..text import ChatMessage, Prompt, RequestOutput, SamplingDefaults
 
 __all__ = ["EngineClientLike", "OutputStreamLike", "TextFrontend", "TokenizerLike"]
@@ -33,6 +33,8 @@ class EngineClientLike(Protocol):
     def live_requests(self) -> list[str]: ...
 
     async def wait_dead(self) -> EngineDeadError: ...
+
+    def add_lora(self, lora_request: LoRARequest) -> Awaitable[bool]: ...
 
 
 class OutputStreamLike(Protocol):
@@ -73,6 +75,7 @@ class TextFrontend(Protocol):
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AbstractAsyncContextManager[OutputStreamLike]: ...
 
     def render_chat(

@@ -20,10 +20,15 @@ if TYPE_CHECKING:
 
     from ..client import ClientOptions, EngineSource
     from ._frontend import TextFrontend
+    from ._lora import LoRAModulePath
 
 __all__ = ["run_openai_server"]
 
 logger = logging.getLogger("trio_vllm.server")
+
+# Seconds hypercorn's drain outlasts the app's shutdown grace: time for the error events
+# of the requests the app ends at the grace to reach their clients.
+_DRAIN_MARGIN = 5.0
 
 
 async def run_openai_server(
@@ -44,22 +49,27 @@ async def run_openai_server(
     generation_config: str | os.PathLike[str] = "auto",
     override_generation_config: Mapping[str, object] | None = None,
     client_options: ClientOptions | None = None,
+    lora_modules: Sequence[LoRAModulePath] = (),
+    allow_runtime_lora_updating: bool | None = None,
     stop: anyio.Event | None = None,
     task_status: TaskStatus[OpenAIServer] = anyio.TASK_STATUS_IGNORED,
 ) -> int:
     """Start the engines, the text frontend and the HTTP server; return an exit status.
 
     Returns 0 after a requested shutdown (SIGTERM, SIGINT, or ``stop`` set): the server
-    stops accepting, running requests get ``shutdown_grace`` seconds, then the engines
-    are stopped (a request during startup just stops the startup). Returns 1 when the
-    engines die: every open stream ends with an error event, then the server shuts
-    down the same way, so a supervisor restarts it; with ``keep_serving_on_engine_death``
-    it keeps serving instead (``/health`` 503, every generation request 503) until asked
-    to stop. ``task_status.started(app)`` hands out the app once it listens
-    (``app.port`` is the bound port). ``generation_config`` and
+    stops accepting, running requests get ``shutdown_grace`` seconds (one still running then
+    is aborted and ends with an error event and ``[DONE]``, or a 503, and is logged:
+    `OpenAIServer.begin_shutdown`), then the engines are stopped (a request during startup
+    just stops the startup). Returns 1 when the engines die: every open stream ends with an
+    error event, then the server shuts down the same way, so a supervisor restarts it; with
+    ``keep_serving_on_engine_death`` it keeps serving instead (``/health`` 503, every
+    generation request 503) until asked to stop. ``task_status.started(app)`` hands out the
+    app once it listens (``app.port`` is the bound port). ``generation_config`` and
     ``override_generation_config`` are `open_llm`'s (vLLM's ``--generation-config`` and
     ``--override-generation-config``), ``client_options`` its `ClientOptions`;
-    ``merge_outputs`` is `OpenAIServer`'s. With
+    ``merge_outputs``, ``lora_modules`` and ``allow_runtime_lora_updating`` are
+    `OpenAIServer`'s (the adapters are loaded on the engines before the server
+    listens; one that fails to load raises ``ValueError``). With
     ``freeze_gc`` the startup heap (imports, tokenizer, engines' handshake) is collected
     once and frozen (``gc.freeze()``) when the server listens, as ``vllm serve`` does:
     the collector then never walks it again while serving. The process keeps it frozen
@@ -116,7 +126,10 @@ async def run_openai_server(
                 max_body_bytes=max_body_bytes,
                 model_root=None if model is None else str(model),
                 merge_outputs=merge_outputs,
+                lora_modules=lora_modules,
+                allow_runtime_lora_updating=allow_runtime_lora_updating,
             )
+            await app.load_static_loras()
 
             async def watch_engines() -> None:
                 nonlocal exit_code
@@ -138,15 +151,22 @@ async def run_openai_server(
                         host=host,
                         port=port,
                         shutdown_trigger=shutdown.wait,
-                        graceful_timeout=shutdown_grace,
+                        # The app ends what outlives the grace itself (an error event
+                        # and [DONE]); hypercorn's own cut comes only after that.
+                        graceful_timeout=shutdown_grace + _DRAIN_MARGIN,
                         access_log=access_log,
                         task_status=task_status,
                     )
                 finally:
                     served.set()
 
+            async def grace_on_shutdown() -> None:
+                await shutdown.wait()
+                app.begin_shutdown(shutdown_grace)
+
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch_engines)
+                tg.start_soon(grace_on_shutdown)
                 app.port = await tg.start(serve)
                 serving = True
                 if freeze_gc:

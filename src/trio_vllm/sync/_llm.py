@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from ..client import ClientOptions, EngineCoreClient, EngineSource
     from ..llm._stream import RequestOutputStream
-    from ..protocol import SamplingParams
+    from ..protocol import LoRARequest, SamplingParams
     from ..text import ChatMessage, ModelFiles, Prompt, RequestOutput, Tokenizer
 
 __all__ = ["SyncLLM", "SyncRequestOutputStream"]
@@ -206,18 +206,33 @@ class SyncLLM:
         return SyncRequestOutputStream(self._loop, wrapped, stream)
 
     def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> SyncRequestOutputStream:
         """Send a request and return a blocking iterator of its outputs (see
         `LLM.generate`)."""
-        return self._open(self.llm.generate(prompt, params, request_id=request_id))
+        return self._open(
+            self.llm.generate(prompt, params, request_id=request_id, lora_request=lora_request)
+        )
 
     def generate_final(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
         """Generate to the end; the final output with all ``n`` completions."""
         context = self.llm.generate(
-            prompt, final_only(self.llm.sampling_defaults, params), request_id=request_id
+            prompt,
+            final_only(self.llm.sampling_defaults, params),
+            request_id=request_id,
+            lora_request=lora_request,
         )
         return self._loop.call(_run_final, context)
 
@@ -230,6 +245,7 @@ class SyncLLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> SyncRequestOutputStream:
         """`LLM.chat` as a blocking iterator."""
         return self._open(
@@ -240,6 +256,7 @@ class SyncLLM:
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
                 chat_template_kwargs=chat_template_kwargs,
+                lora_request=lora_request,
             )
         )
 
@@ -252,6 +269,7 @@ class SyncLLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
         """A reply to a conversation, final (as `generate_final`)."""
         context = self.llm.chat(
@@ -261,6 +279,7 @@ class SyncLLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            lora_request=lora_request,
         )
         return self._loop.call(_run_final, context)
 

@@ -27,6 +27,10 @@ from ._output import OutputProcessor as OutputProcessor
 from ._output import OutputProcessorOutput as OutputProcessorOutput
 from ._output import ParentRequest as ParentRequest
 from ._output import RequestState as RequestState
+from ._tokenize import detokenize as detokenize
+from ._tokenize import token_strs as token_strs
+from ._tokenize import tokenize as tokenize
+from ._tokenize import tokenize_chat as tokenize_chat
 from ._tokenizer import ModelFiles as ModelFiles
 from ._tokenizer import Tokenizer as Tokenizer
 from ._tokenizer import load_tokenizer as load_tokenizer
@@ -67,10 +71,14 @@ __all__ = [
     "Tokenizer",
     "TokensPrompt",
     "check_stop_strings",
+    "detokenize",
     "internal_request_id",
     "load_tokenizer",
     "normalize_messages",
     "random_uuid",
     "render_chat_template",
     "resolve_model_dir",
+    "token_strs",
+    "tokenize",
+    "tokenize_chat",
 ]
