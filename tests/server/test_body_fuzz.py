@@ -247,3 +247,68 @@ async def test_nasty_bodies_through_the_server(
 
 async def _post(served: Served, path: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
     return await raw_request(served.port, "POST", path, body, {"content-type": "application/json"})
+
+
+# ------------------------------------------------ the other endpoints with a body
+
+
+def _other_decoders() -> list[Any]:
+    from trio_vllm.server._app import _LOAD_LORA, _UNLOAD_LORA
+    from trio_vllm.server._decode import decode_struct
+    from trio_vllm.server._tokenize import decode_detokenize_request, decode_tokenize_request
+
+    return [
+        decode_tokenize_request,
+        decode_detokenize_request,
+        lambda body: decode_struct(_LOAD_LORA, body),
+        lambda body: decode_struct(_UNLOAD_LORA, body),
+    ]
+
+
+_OTHERS = _other_decoders()
+_FEWER = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _other_outcome(index: int, body: bytes) -> int:
+    refusal: HTTPError | None = None
+    try:
+        _OTHERS[index](body)
+    except HTTPError as exc:  # anything else fails the test
+        refusal = exc
+    if refusal is None:
+        return 200
+    assert refusal.status == 400
+    assert set(msgspec.json.decode(refusal.body())["error"]) == {"message", "type", "param", "code"}
+    return 400
+
+
+_OTHER_BODIES = [
+    b'{"prompt": "a\xff"}',
+    b'{"messages": [{"role": "user", "content": "\xc3"}]}',
+    b'{"tokens": [' + b"9" * 100 + b"]}",
+    b'{"lora_name": "a\xff", "lora_path": "x"}',
+    b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    b'{"messages": "x", "continue_final_message": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    b"\xef\xbb\xbf[]",
+]
+
+
+@pytest.mark.parametrize("index", range(len(_OTHERS)))
+@pytest.mark.parametrize("body", _OTHER_BODIES)
+def test_other_endpoints_nasty_bodies(index: int, body: bytes) -> None:
+    _other_outcome(index, body)
+
+
+@_FEWER
+@given(index=st.integers(0, len(_OTHERS) - 1), body=st.binary(max_size=200))
+def test_other_endpoints_raw_bytes(index: int, body: bytes) -> None:
+    _other_outcome(index, body)
+
+
+@_FEWER
+@given(index=st.integers(0, len(_OTHERS) - 1), value=_VALUES, name=st.sampled_from(
+    ["prompt", "messages", "tokens", "model", "lora_name", "lora_path", "add_special_tokens",
+     "continue_final_message", "add_generation_prompt", "chat_template_kwargs"]
+))  # fmt: skip
+def test_other_endpoints_json_structures(index: int, value: object, name: str) -> None:
+    _other_outcome(index, json.dumps({name: value}).encode())
