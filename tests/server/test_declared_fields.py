@@ -25,6 +25,7 @@ import pytest
 
 from trio_vllm.reference_engine import TINY_LLAMA_DIR
 from trio_vllm.server import OpenAIServer, ToolOptions
+from trio_vllm.server._decode import decode_request
 from trio_vllm.server._openai import GenerationPlan, plan_chat, plan_completion
 from trio_vllm.server._schemas import (
     DECLARED_FIELDS,
@@ -203,8 +204,7 @@ _TOOL_FLAGS = ToolOptions(enable_auto_tool_choice=True, tool_call_parser="hermes
 
 def _plan(kind: str, body: dict[str, Any]) -> GenerationPlan:
     app = OpenAIServer(_Frontend(), tool_options=_TOOL_FLAGS)  # type: ignore[arg-type]
-    scope = {"headers": [(b"content-type", b"application/json")]}
-    req, extra = app._decode(kind, scope, json.dumps(body).encode())  # type: ignore[arg-type]
+    req, extra = decode_request(kind, b"application/json", json.dumps(body).encode())  # type: ignore[arg-type]
     if kind == "completion":
         return plan_completion(
             req, app.llm, model="tiny-llama", header_request_id="fixed", extra=extra

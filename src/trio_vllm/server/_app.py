@@ -15,7 +15,7 @@ import math
 import secrets
 import time
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 import anyio
 import msgspec
@@ -23,6 +23,7 @@ import sniffio
 
 from .._exceptions import EngineDeadError, InvalidRequestError
 from .._version import __version__
+from ._decode import RequestKind, check_json, decode_request, decode_struct
 from ._http import (
     ASGIReceive,
     ASGISend,
@@ -52,14 +53,11 @@ from ._openai import (
     plan_completion,
 )
 from ._schemas import (
-    UNSUPPORTED_FIELDS,
-    ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
     ModelPermission,
 )
-from ._structured import warn_removed_guided_fields
 from ._tokenize import (
     decode_detokenize_request,
     decode_tokenize_request,
@@ -94,18 +92,8 @@ _SSE_START = {"type": "http.response.start", "status": 200, "headers": _SSE_HEAD
 _NOT_FOUND = b'{"detail":"Not Found"}'
 _NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
 _UNAUTHORIZED = b'{"error":"Unauthorized"}'
-_JSON_CT = b"application/json"
-_FIELDS = {
-    "completion": frozenset(CompletionRequest.__struct_fields__),
-    "chat": frozenset(ChatCompletionRequest.__struct_fields__),
-}
-_RAW_KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _LOAD_LORA = msgspec.json.Decoder(LoadLoRAAdapterRequest, strict=False)
 _UNLOAD_LORA = msgspec.json.Decoder(UnloadLoRAAdapterRequest, strict=False)
-_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
-    "completion": msgspec.json.Decoder(CompletionRequest, strict=False),
-    "chat": msgspec.json.Decoder(ChatCompletionRequest, strict=False),
-}
 
 
 class _Open:
@@ -388,11 +376,10 @@ class OpenAIServer:
         except ClientDisconnected:
             return 0
         try:
-            _check_json(scope)
-            try:
-                req = (_LOAD_LORA if load else _UNLOAD_LORA).decode(body)
-            except msgspec.DecodeError as exc:  # ValidationError included
-                raise HTTPError(f"1 validation error:\n  {exc}", err_type="Bad Request") from None
+            check_json(header(scope, b"content-type"))
+            req: LoadLoRAAdapterRequest | UnloadLoRAAdapterRequest = (
+                decode_struct(_LOAD_LORA, body) if load else decode_struct(_UNLOAD_LORA, body)
+            )
             async with self._lora_lock:
                 if isinstance(req, LoadLoRAAdapterRequest):
                     text = await self.loras.load(self.llm.client, req)
@@ -421,7 +408,7 @@ class OpenAIServer:
         except ClientDisconnected:
             return 0
         try:
-            _check_json(scope)
+            check_json(header(scope, b"content-type"))
             answer: object
             if detokenize:
                 dreq = decode_detokenize_request(body)
@@ -445,46 +432,8 @@ class OpenAIServer:
     async def _chat(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
         return await self._generation("chat", scope, receive, send)
 
-    def _decode(self, kind: str, scope: Scope, body: bytes) -> tuple[Any, dict[str, object]]:
-        _check_json(scope)
-        try:
-            raw = _RAW_KEYS.decode(body)
-        except msgspec.ValidationError:
-            raise HTTPError(
-                "1 validation error:\n  Input should be a valid dictionary or object",
-                err_type="Bad Request",
-            ) from None
-        except msgspec.DecodeError as exc:
-            raise HTTPError(
-                f"1 validation error:\n  JSON decode error: {exc}", err_type="Bad Request"
-            ) from None
-        try:
-            req = _DECODERS[kind].decode(body)
-        except msgspec.ValidationError as exc:
-            message = str(exc)
-            param = None
-            if "`$." in message:
-                param = message.rsplit("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0]
-            raise HTTPError(
-                f"1 validation error:\n  {message}", err_type="Bad Request", param=param
-            ) from None
-        unknown = raw.keys() - _FIELDS[kind]
-        extra: dict[str, object] = {}
-        if unknown:
-            warn_removed_guided_fields(unknown)
-            # vLLM's fields that trio-vllm lacks are checked (accepted when harmless,
-            # else 400), not ignored: only the rest is logged as ignored.
-            ignored = unknown - UNSUPPORTED_FIELDS.keys()
-            if ignored:
-                logger.warning(
-                    "The following fields were present in the request but ignored: %s",
-                    sorted(ignored),
-                )
-            extra = {k: msgspec.json.decode(raw[k]) for k in unknown}
-        return req, extra
-
     async def _generation(
-        self, kind: str, scope: Scope, receive: ASGIReceive, send: ASGISend
+        self, kind: RequestKind, scope: Scope, receive: ASGIReceive, send: ASGISend
     ) -> int:
         received = time.perf_counter()
         try:
@@ -495,7 +444,7 @@ class OpenAIServer:
             await send_error(send, exc)
             return exc.status
         try:
-            req, extra = self._decode(kind, scope, body)
+            req, extra = decode_request(kind, header(scope, b"content-type"), body)
             model = self._check_model(req.model)
             if self.dead:
                 raise _dead_error()
@@ -503,7 +452,7 @@ class OpenAIServer:
             rid = header_id.decode("latin-1") if header_id is not None else None
             plan = (
                 plan_completion(req, self.llm, model=model, header_request_id=rid, extra=extra)
-                if kind == "completion"
+                if isinstance(req, CompletionRequest)
                 else plan_chat(
                     req,
                     self.llm,
@@ -687,16 +636,6 @@ class OpenAIServer:
                         pumps.start_soon(pump, idx)
             except BaseExceptionGroup as group:
                 raise _first_error(group) from None
-
-
-def _check_json(scope: Scope) -> None:
-    """vLLM's ``validate_json_request``: only ``application/json`` bodies."""
-    content_type = header(scope, b"content-type") or b""
-    if content_type.split(b";", 1)[0].strip().lower() != _JSON_CT:
-        raise HTTPError(
-            "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
-            err_type="Bad Request",
-        )
 
 
 class _Outcome:

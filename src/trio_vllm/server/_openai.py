@@ -457,9 +457,13 @@ def plan_chat(
     except ValueError as exc:  # InvalidRequestError included
         raise HTTPError(str(exc)) from None
     except Exception as exc:
+        # Rendering runs a template over the request's own values (and, with
+        # ``chat_template``, the request's own template): whatever it raises (a jinja
+        # TemplateError, 1/0, a sandbox limit, a filter given the wrong type) is the
+        # request's fault, so a 400 naming it, never a 500 with a traceback.
         if any(cls.__name__ == "TemplateError" for cls in type(exc).__mro__):
             raise HTTPError(f"chat template error: {exc}") from None
-        raise
+        raise HTTPError(f"chat template error: {type(exc).__name__}: {exc}") from None
     if req.add_special_tokens:
         ids = llm.tokenizer.encode(text, add_special_tokens=True)
     _check_prompt_len(limits, len(ids))

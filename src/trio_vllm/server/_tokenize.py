@@ -15,6 +15,7 @@ import msgspec
 from msgspec import Struct
 
 from .._exceptions import InvalidRequestError
+from ._decode import decode_object, decode_struct, decode_value
 from ._http import HTTPError
 
 if TYPE_CHECKING:
@@ -74,42 +75,16 @@ class DetokenizeResponse(Struct):
 _COMPLETION = msgspec.json.Decoder(TokenizeCompletionRequest, strict=False)
 _CHAT = msgspec.json.Decoder(TokenizeChatRequest, strict=False)
 _DETOKENIZE = msgspec.json.Decoder(DetokenizeRequest, strict=False)
-_OBJECT = msgspec.json.Decoder(dict[str, msgspec.Raw])
-
-
-def _validation_error(exc: msgspec.ValidationError) -> HTTPError:
-    message = str(exc)
-    param = None
-    if "`$." in message:
-        param = message.rsplit("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0]
-    return HTTPError(f"1 validation error:\n  {message}", err_type="Bad Request", param=param)
-
-
-def _object(body: bytes) -> dict[str, msgspec.Raw]:
-    try:
-        return _OBJECT.decode(body)
-    except msgspec.ValidationError:
-        raise HTTPError(
-            "1 validation error:\n  Input should be a valid dictionary or object",
-            err_type="Bad Request",
-        ) from None
-    except msgspec.DecodeError as exc:
-        raise HTTPError(
-            f"1 validation error:\n  JSON decode error: {exc}", err_type="Bad Request"
-        ) from None
 
 
 def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
     """The body as vLLM's union reads it: ``prompt`` makes a completion-style request,
     else ``messages`` a chat one. `HTTPError` 400 for anything else."""
-    raw = _object(body)
-    try:
-        if "prompt" in raw or "messages" not in raw:
-            return _COMPLETION.decode(body)
-        req = _CHAT.decode(body)
-    except msgspec.ValidationError as exc:
-        raise _validation_error(exc) from None
-    if msgspec.json.decode(raw.get("continue_final_message", b"null")) and msgspec.json.decode(
+    raw = decode_object(body)
+    if "prompt" in raw or "messages" not in raw:
+        return decode_struct(_COMPLETION, body)
+    req = decode_struct(_CHAT, body)
+    if decode_value(raw.get("continue_final_message", b"null")) and decode_value(
         raw.get("add_generation_prompt", b"null")
     ):
         # vLLM's model validator runs on the raw body: only both given and true get its
@@ -123,11 +98,8 @@ def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | Tokenize
 
 def decode_detokenize_request(body: bytes) -> DetokenizeRequest:
     """The body as vLLM's ``DetokenizeRequest`` (ids in ``[0, 2**63 - 1]``)."""
-    _object(body)
-    try:
-        req = _DETOKENIZE.decode(body)
-    except msgspec.ValidationError as exc:
-        raise _validation_error(exc) from None
+    decode_object(body)
+    req = decode_struct(_DETOKENIZE, body)
     for i, token in enumerate(req.tokens):
         if not 0 <= token <= _INT64_MAX:
             bound = (
