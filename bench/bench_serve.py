@@ -46,6 +46,10 @@ trio/vllm and trio/vllm-rs.
         [--servers trio,trio-merge,vllm,vllm-rs] [--setting frontend-bound|stock-engine]
         [--baseline REV] [--json OUT]
 
+``trio-n2`` and ``vllm-n2`` (opt-in in ``--servers``) are the same with
+``--api-server-count 2``: two API-server processes on the frontend's core(s)
+(``--frontend-cores``, default 0), for N = 1 against N = 2 of each in one run.
+
 ``trio-merge`` (opt-in in ``--servers``) is ``trio-vllm serve --merge-outputs``: what a
 busy connection piled up goes out as one SSE event, as vLLM's API server sends it.
 ``--baseline REV`` adds ``trio-base``: ``trio-vllm serve`` from that revision's
@@ -94,8 +98,14 @@ def _free_port() -> int:
 
 def _other_cores() -> str:
     cores = sorted(os.sched_getaffinity(0))
-    rest = [c for c in cores if str(c) != FRONTEND_CORE] or cores
+    frontend = {c for part in FRONTEND_CORE.split(",") for c in _core_range(part)}
+    rest = [c for c in cores if c not in frontend] or cores
     return ",".join(str(c) for c in rest)
+
+
+def _core_range(part: str) -> range:
+    first, _, last = part.partition("-")
+    return range(int(first), int(last or first) + 1)
 
 
 def _tree_cpu(pid: int, exclude: set[int]) -> float:
@@ -141,12 +151,15 @@ def _frontend_command(
     """The frontend under test, pinned to ``FRONTEND_CORE``, without a local engine: it
     binds the handshake on ``rpc_port`` and waits for one headless engine."""
     pin = ["taskset", "-c", FRONTEND_CORE]
+    # ``-n2``: two API-server processes (--api-server-count 2), on the same core(s).
+    servers = ["--api-server-count", "2"] if name.endswith("-n2") else []
     if name.startswith("trio"):
         return [
             *pin, sys.executable, "-m", "trio_vllm.cli", "serve", "--model", str(MODEL),
             "--served-model-name", SERVED, "--port", str(port),
             "--connect", f"tcp://127.0.0.1:{rpc_port}", "--engines", "1",
             "--ready-timeout", "900", *(["--merge-outputs"] if name == "trio-merge" else []),
+            *servers,
         ]  # fmt: skip
     # vLLM's frontends build their config from the engine arguments: the same as the
     # engine's in the stock-engine setting.
@@ -156,7 +169,7 @@ def _frontend_command(
         SERVED, "--host", "127.0.0.1", "--port", str(port),
         "--data-parallel-size", "1", "--data-parallel-size-local", "0",
         "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
-        *engine_args,
+        *engine_args, *servers,
     ]  # fmt: skip
 
 
@@ -283,6 +296,7 @@ def _bench(
 
 
 def main() -> int:
+    global FRONTEND_CORE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", required=True, help="python with vLLM 0.32.0")
     parser.add_argument("--concurrency", default="1,16,64,256")
@@ -297,6 +311,9 @@ def main() -> int:
     parser.add_argument("--min-prompts", type=int, default=200,
                         help="at least this many prompts per case (default 200)")  # fmt: skip
     parser.add_argument("--rs-path", type=Path, default=RS_DEFAULT)
+    parser.add_argument("--frontend-cores", default=FRONTEND_CORE,
+                        help="taskset list for the frontend(s) (default 0); the engine "
+                             "and the client get the others")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--setting", choices=("frontend-bound", "stock-engine"),
                         default="frontend-bound",
@@ -307,6 +324,7 @@ def main() -> int:
                         help="also run trio-vllm serve from this git revision's src/ as "
                              "server trio-base (an A/B in one run)")  # fmt: skip
     args = parser.parse_args()
+    FRONTEND_CORE = args.frontend_cores
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     backends = args.backends.split(",")
     servers = args.servers.split(",")
@@ -380,14 +398,15 @@ def _table(results: dict[str, Any], servers: list[str], backends: list[str],
     lines = [
         "| backend | conc | server | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms "
         "| CPU ms/req | chunks/req | req/s vs vllm | CPU vs vllm | req/s vs vllm-rs "
-        "| req/s vs trio-base | CPU vs trio-base |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| req/s vs trio-base | CPU vs trio-base | req/s vs vllm-n2 | CPU vs vllm-n2 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for backend in backends:
         for c in concurrencies:
             base = runs.get(f"vllm/{backend}/{c}")
             rs = runs.get(f"vllm-rs/{backend}/{c}")
             tb = runs.get(f"trio-base/{backend}/{c}")
+            n2 = runs.get(f"vllm-n2/{backend}/{c}")
             for server in servers:
                 r = runs.get(f"{server}/{backend}/{c}")
                 if r is None:
@@ -398,12 +417,14 @@ def _table(results: dict[str, Any], servers: list[str], backends: list[str],
                 vtb = f"{r['req_s'] / tb['req_s']:.2f}" if tb else "-"
                 ctb = f"{r['cpu_s_per_req'] / tb['cpu_s_per_req']:.2f}" if tb else "-"
                 chunks = f"{r['chunks_per_req']:.1f}" if r["chunks_per_req"] else "-"
+                vn2 = f"{r['req_s'] / n2['req_s']:.2f}" if n2 else "-"
+                cn2 = f"{r['cpu_s_per_req'] / n2['cpu_s_per_req']:.2f}" if n2 else "-"
                 lines.append(
                     f"| {backend} | {c} | {server} | {r['req_s']:.1f} | {r['out_tok_s']:.0f} "
                     f"| {r['ttft_p50_ms']:.1f}/{r['ttft_p99_ms']:.1f} "
                     f"| {r['itl_p50_ms']:.2f}/{r['itl_p99_ms']:.2f} "
                     f"| {r['cpu_s_per_req'] * 1000:.2f} | {chunks} | {vs} | {cpu} | {vrs} "
-                    f"| {vtb} | {ctb} |"
+                    f"| {vtb} | {ctb} | {vn2} | {cn2} |"
                 )
     return "\n".join(lines)
 

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
     # processes (python -m trio_vllm.reference_engine) never load the client.
     from typing import Any
 
+    from .client import AttachedEngines as AttachedEngines
     from .client import ClientOptions as ClientOptions
+    from .client import EngineAttachment as EngineAttachment
     from .client import EngineCoreClient as EngineCoreClient
     from .client import EngineEvent as EngineEvent
     from .client import EngineEvents as EngineEvents
@@ -37,12 +39,14 @@ if TYPE_CHECKING:
     from .client import ExternalEngines as ExternalEngines
     from .client import ReferenceEngines as ReferenceEngines
     from .client import RequestStream as RequestStream
+    from .client import SharedEngines as SharedEngines
     from .client import StartupProgress as StartupProgress
     from .client import VllmEngines as VllmEngines
     from .client import make_pooling_request as make_pooling_request
     from .client import make_request as make_request
     from .client import new_request_id as new_request_id
     from .client import open_client as open_client
+    from .client import open_shared_engines as open_shared_engines
     from .client import prepare_pooling_params as prepare_pooling_params
     from .client import prepare_sampling_params as prepare_sampling_params
     from .inproc import InprocEngine as InprocEngine
@@ -116,6 +120,10 @@ _LAZY: dict[str, str] = {
     "UtilityResult": ".protocol",
     "profile_for_version": ".protocol",
     "validate_request": ".protocol",
+    "AttachedEngines": ".client",
+    "EngineAttachment": ".client",
+    "SharedEngines": ".client",
+    "open_shared_engines": ".client",
     "EngineCoreClient": ".client",
     "EngineEvent": ".client",
     "EngineEvents": ".client",

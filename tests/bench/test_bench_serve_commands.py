@@ -61,3 +61,10 @@ def test_trio_merge_is_our_server_with_merged_outputs(bs: Any) -> None:
     merged = bs._frontend_command("trio-merge", "/vllm/python", 8000, 9000, False)
     plain = bs._frontend_command("trio", "/vllm/python", 8000, 9000, False)
     assert merged == [*plain, "--merge-outputs"]
+
+
+@pytest.mark.parametrize("name", ["trio", "vllm"])
+def test_n2_is_the_same_server_with_two_api_servers(bs: Any, name: str) -> None:
+    two = bs._frontend_command(f"{name}-n2", "/vllm/python", 8000, 9000, False)
+    one = bs._frontend_command(name, "/vllm/python", 8000, 9000, False)
+    assert two == [*one, "--api-server-count", "2"]

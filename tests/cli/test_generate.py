@@ -14,15 +14,25 @@ from pathlib import Path
 
 import pytest
 
+from trio_vllm.reference_engine import MODEL_DIR, TINY_LLAMA_DIR
+
 from ._bpe import write_bpe_model_dir
 
 CLI = [sys.executable, "-m", "trio_vllm.cli", "generate"]
 LONG = "--max-model-len 1000000 --num-gpu-blocks 1000000"
 
 
-def run(*args: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, timeout: float = 100, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    # Standard input is empty unless given: a prompt-less command reads it (as a filter).
     return subprocess.run(
-        [*CLI, *args], capture_output=True, text=True, timeout=timeout, check=False
+        [*CLI, *args],
+        input="" if stdin is None else stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 
@@ -186,7 +196,7 @@ def test_token_prompt_and_seeded_sampling_is_reproducible() -> None:
         (("--prompt-token-ids", "1,x"), "comma-separated ints"),
         (("hi", "--engine", "vllm"), "needs --model"),
         (("hi", "--engine", "vllm", "--model", "m"), "needs --vllm-python"),
-        (("hi", "--connect", "127.0.0.1:5"), "tcp://HOST:PORT"),
+        (("--prompt-token-ids", "1", "--connect", "127.0.0.1:5"), "tcp://HOST:PORT"),
         (("hi", "--max-tokens", "0"), "at least 1"),
         (("hi", "--model", "gpt"), "echo and tiny"),
         (("hi", "--top-p", "2"), "--top-p must be in (0, 1]"),
@@ -330,6 +340,8 @@ def test_connect_waits_for_an_engine_started_elsewhere() -> None:
             address,
             "--engines",
             "1",
+            "--model",  # the engines' model directory: text needs its tokenizer
+            MODEL_DIR,
             "abcd",
             "--max-tokens",
             "8",
@@ -367,3 +379,97 @@ def test_connect_waits_for_an_engine_started_elsewhere() -> None:
     assert cli.returncode == 0, err
     assert out == "abcdabcd\n"
     assert "1/1 ready" in err
+
+
+def test_connect_without_model_sends_ids_unchecked_and_prints_ids() -> None:
+    # The engine stands in for tiny-llama (512 ids); the command knows nothing of its
+    # model: 510 (outside the bundled reference vocabulary) goes out as it is.
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    cli = subprocess.Popen(
+        [*CLI, "--connect", address, "--prompt-token-ids", "510,3,7", "--max-tokens", "6",
+         "--ready-timeout", "90"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "trio_vllm.reference_engine", "--handshake-address", address,
+         "--model", "echo", "--model-dir", TINY_LLAMA_DIR],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        out, err = cli.communicate(timeout=100)
+    finally:
+        for p in (cli, engine):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert cli.returncode == 0, err
+    assert out == "510 3 7 510 3 7\n"  # the echo model's ids, not text
+    assert "6 tokens, finish_reason=length" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("hello",), "text prompts need a tokenizer; with --connect and no --model"),
+        (("--chat", "hi"), "give --model DIR"),
+        (("--prompt-token-ids", "1", "--stop", "x"), "--stop needs a tokenizer"),
+        (("--prompt-token-ids", "1", "--n", "2"), "--n > 1 needs a tokenizer"),
+        (("--prompt-token-ids", "510", "--vocab-size", "500"),
+         "token id 510 is out of vocabulary (--vocab-size 500)"),
+    ],
+)  # fmt: skip
+def test_connect_without_model_refuses_what_needs_a_tokenizer(
+    args: tuple[str, ...], message: str
+) -> None:
+    result = run("--connect", "tcp://127.0.0.1:1", *args, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "connected" not in result.stderr  # refused before waiting for engines
+
+
+def test_vocab_size_goes_with_connect_and_no_model() -> None:
+    result = run("--prompt-token-ids", "1", "--vocab-size", "5", timeout=60)
+    assert result.returncode == 2
+    assert "--vocab-size goes with --connect and no --model" in result.stderr
+
+
+def test_prompts_from_standard_input_one_per_line() -> None:
+    result = run("first", "-", "last", "--max-tokens", "2", "--json", "-q", stdin="ab\n\ncd\n")
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(d["prompt_index"], d["text"]) for d in lines] == [
+        (0, "fi"), (1, "ab"), (2, "cd"), (3, "la"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("prompts", "ids", "tty", "text", "expected"),
+    [
+        ([], [], False, "a\n\nb\n", ["a", "b"]),  # no prompt, a pipe: read it
+        ([], [], True, "a\n", []),  # a terminal: no waiting for typed input
+        ([], ["1"], False, "a\n", []),  # ids given: standard input left alone
+        (["x", "-"], [], True, "a\nb", ["x", "a", "b"]),  # '-' reads even a terminal
+        (["x"], [], False, "a\n", ["x"]),
+    ],
+)
+def test_which_prompts_come_from_standard_input(
+    monkeypatch: pytest.MonkeyPatch,
+    prompts: list[str],
+    ids: list[str],
+    tty: bool,
+    text: str,
+    expected: list[str],
+) -> None:
+    import argparse
+    import io
+
+    from trio_vllm.cli._generate import _text_prompts
+
+    class _Stdin(io.StringIO):
+        def isatty(self) -> bool:
+            return tty
+
+    monkeypatch.setattr(sys, "stdin", _Stdin(text))
+    args = argparse.Namespace(prompts=prompts, prompt_token_ids=ids)
+    assert _text_prompts(args) == expected

@@ -55,6 +55,9 @@ def one_line_error(result: subprocess.CompletedProcess[str], status: int) -> str
         (["generate", "--bogus"], "usage: trio-vllm generate "),
         (["bench", "latency", "--bogus"], "usage: trio-vllm bench latency "),
         (["wire", "check", "x", "--bogus"], "usage: trio-vllm wire check "),
+        # before the subcommand: the top-level parser's option, so its usage
+        (["--bogus", "generate", "x"], "usage: trio-vllm [-h]"),
+        (["--log-level", "info", "--bogus", "generate", "x"], "usage: trio-vllm [-h]"),
     ],
 )
 def test_an_unknown_option_prints_the_usage_of_its_subcommand(args: list[str], usage: str) -> None:
@@ -112,7 +115,8 @@ def test_output_to_a_full_disk_is_one_line() -> None:
 def test_the_tiny_model_without_torch_says_what_to_install() -> None:
     err = one_line_error(run("generate", "hi", "--model", "tiny", TRIO_VLLM_TEST_HIDE="torch"), 1)
     assert (
-        "the tiny model needs torch, which is not installed: pip install 'trio-vllm[torch]'" in err
+        "the tiny model needs torch, which is not installed: "
+        "pip install torch --index-url https://download.pytorch.org/whl/cpu" in err
     )
 
 

@@ -263,3 +263,58 @@ def test_any_valid_interleaving_completes_exactly_once(data: st.DataObject) -> N
     assert sorted(replies) == ranks
     assert completions == 1
     assert hs.state is HandshakeState.COMPLETE
+
+
+# -- several frontends: the parent's handshake-only stage, a worker's input-only stage
+
+
+def test_handshake_stage_completes_on_ready_and_advertises_every_frontend() -> None:
+    inputs = ["ipc:///x/input0", "ipc:///x/input1"]
+    outputs = ["ipc:///x/output0", "ipc:///x/output1"]
+    hs = ClientHandshake([0, 1], inputs=inputs, outputs=outputs, stage="handshake")
+    for rank in (0, 1):
+        (_hello, reply) = hs.receive_handshake(identity_for_rank(rank), HELLO)
+        assert isinstance(reply, SendInitMetadata)
+        sent = msgspec.msgpack.decode(reply.payload)
+        assert sent["addresses"]["inputs"] == inputs
+        assert sent["addresses"]["outputs"] == outputs
+    assert hs.receive_handshake(identity_for_rank(0), READY)[-1] == EngineReady(
+        0, {"status": "READY", "local": False, "headless": True}
+    )
+    assert "no ready response" not in hs.describe_waiting()
+    events = hs.receive_handshake(identity_for_rank(1), READY)
+    assert events[-1] == HandshakeComplete({}, None)
+    assert hs.state is HandshakeState.COMPLETE
+
+
+def test_handshake_stage_refuses_input_messages() -> None:
+    hs = _machine(stage="handshake")
+    hs.receive_handshake(identity_for_rank(0), HELLO)
+    with pytest.raises(ProtocolError, match="handshake-only"):
+        hs.receive_input(identity_for_rank(0), _response(0))
+    assert hs.state is HandshakeState.ERROR
+
+
+def test_input_stage_completes_on_ready_responses_alone() -> None:
+    hs = _machine([0, 1], stage="input")
+    assert hs.handshake_socket_done
+    assert hs.ready == [0, 1]
+    (received,) = hs.receive_input(identity_for_rank(1), _response(1))
+    assert received == ReadyResponseReceived(1, msgspec.msgpack.decode(_response(1)))
+    assert "no ready response on the input socket yet from rank(s) [0]" in hs.describe_waiting()
+    events = hs.receive_input(identity_for_rank(0), _response(0))
+    assert isinstance(events[-1], HandshakeComplete)
+    assert sorted(events[-1].ready_responses) == [0, 1]
+    assert events[-1].vllm_version == "0.32.0"
+
+
+def test_input_stage_refuses_handshake_messages_and_repeats() -> None:
+    hs = _machine(stage="input")
+    with pytest.raises(ProtocolError, match="attached client"):
+        hs.receive_handshake(identity_for_rank(0), HELLO)
+    hs2 = _machine([0, 1], stage="input")
+    hs2.receive_input(identity_for_rank(0), _response(0))
+    with pytest.raises(ProtocolError, match="second message"):
+        hs2.receive_input(identity_for_rank(0), _response(0))
+    with pytest.raises(ValueError, match="stage"):
+        _machine(stage="nope")

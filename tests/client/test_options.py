@@ -49,6 +49,10 @@ def test_resolve_fills_defaults_and_returns_values_as_used(
     assert resolved["stream_buffer"] == 64
     assert resolved["on_engine_death"] == "fail"
     assert resolved["waves"] is False
+    assert resolved["hang_timeout"] == 30.0
+    assert resolved["stall_timeout"] is None
+    assert resolve_options({"hang_timeout": None})["hang_timeout"] is None
+    assert resolve_options({"stall_timeout": 60})["stall_timeout"] == 60.0
     assert resolve_options({"shutdown_grace": 2})["shutdown_grace"] == 2.0
     assert isinstance(resolve_options({"shutdown_grace": 2})["shutdown_grace"], float)
     monkeypatch.setenv("VLLM_ENGINE_READY_TIMEOUT_S", "12")

@@ -7,6 +7,7 @@ engine: every ADD and ABORT id it received), not from the client's bookkeeping.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -422,3 +423,58 @@ async def test_cancelled_add_engines_stops_them_and_changes_nothing() -> None:
             # A failed join's ranks stay reserved (a late engine may still connect).
             with pytest.raises(ValueError, match="already known"):
                 await client.add_engines(CountingEngines(1, start_rank=1))
+
+
+async def test_rank_lost_lists_every_request_that_failed_with_the_rank() -> None:
+    """Issue 23.4: rank 2 of 3 is SIGKILLed with streams open while new requests keep
+    starting: unpinned ones, and ones pinned to rank 2 until the client refuses to
+    route there. Requests routed to rank 2 in the moment before its death was noticed
+    fail with its EngineDeadError (at their send, or when the death is declared); the
+    rank_lost event lists exactly the requests that failed with rank 2's death."""
+    async with open_client(
+        CountingEngines(3), ready_timeout=60, on_engine_death="continue"
+    ) as client:
+        out: dict[str, Any] = {}  # request id -> rank, then the EngineDeadError if any
+        events: list[Any] = []
+
+        async def one(request_id: str, rank: int | None) -> None:
+            request = make_request([7], max_tokens=LONG, request_id=request_id)
+            try:
+                async with client.generate(request, rank=rank) as stream:
+                    out[request_id] = stream.rank
+                    async for _ in stream:
+                        pass
+            except EngineDeadError as exc:
+                out[request_id] = exc
+            except ValueError:  # pinned to rank 2 after its verdict: refused, not lost
+                out[request_id] = None
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                await _start_long(client, tg, 9, out)
+                os.kill(client.engine_pids[2], signal.SIGKILL)
+                n = 0
+                while not events and n < 400:
+                    for pinned in (None, 2):
+                        tg.start_soon(one, f"new{n}", pinned)
+                        n += 1
+                    await anyio.sleep(0.001)
+                    with contextlib.suppress(anyio.WouldBlock):
+                        events.append(client.engine_events.receive_nowait())
+                if not events:
+                    events.append(await client.engine_events.receive())
+                # Every task started has settled: refused, failed, or running elsewhere.
+                await _until(lambda: len(out) == 9 + n)
+                await _until(lambda: 2 not in [r for r in out.values() if isinstance(r, int)])
+                (event,) = events
+                assert (event.kind, event.rank) == ("rank_lost", 2)
+                failed = {
+                    rid for rid, r in out.items() if isinstance(r, EngineDeadError) and r.rank == 2
+                }
+                assert not [
+                    r for r in out.values() if isinstance(r, EngineDeadError) and r.rank != 2
+                ]
+                assert set(event.payload["requests"]) == failed
+                assert {f"long{i}" for i in range(9)} & failed  # rank 2 had some
+                print(f"rank_lost: {len(failed)} requests, {n} started after the kill")
+                tg.cancel_scope.cancel()

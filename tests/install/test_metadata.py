@@ -25,7 +25,7 @@ def test_project_urls() -> None:
 
 def test_the_light_extras_pull_no_torch() -> None:
     extras = PROJECT["optional-dependencies"]
-    for light in ("testing", "docs", "text"):
+    for light in ("testing", "docs", "text", "structured"):
         assert not any(req.startswith("torch") for req in extras[light]), light
     assert any(req.startswith("pytest") for req in extras["testing"])
     assert "test" not in extras  # replaced by testing (it pulled an unpinned torch)
@@ -35,8 +35,26 @@ def test_the_readme_installs_as_a_user_first() -> None:
     readme = (ROOT / "README.md").read_text()
     first = re.search(r"```bash\n(.*?)```", readme, re.S)
     assert first is not None
-    assert first.group(1).strip() == "pip install trio-vllm"
+    # From the clone: the package is not on PyPI yet, and the README says so.
+    assert first.group(1).strip().splitlines()[-1] == "pip install ."
+    assert "once the package is published on PyPI; it is\nnot there yet" in readme
     for extra in ("torch", "testing", "text", "dev"):
         assert f"`trio-vllm[{extra}]`" in readme
     develop = readme.index("## Develop")
-    assert readme.index("pip install -c constraints-cpu.txt -e '.[dev]'") > develop
+    assert readme.index(f"{CPU_INDEX} -c constraints-cpu.txt -e '.[dev]'") > develop
+
+
+CPU_INDEX = "pip install --extra-index-url https://download.pytorch.org/whl/cpu"
+
+
+def test_the_cpu_torch_pin_names_a_build_only_the_cpu_index_has() -> None:
+    # torch==2.13.0 on PyPI is the CUDA build; the +cpu local version is PyTorch's CPU
+    # index's alone, so the pin cannot resolve to CUDA libraries.
+    pins = [
+        line
+        for line in (ROOT / "constraints-cpu.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    assert pins == ["torch==2.13.0+cpu"]
+    readme = (ROOT / "README.md").read_text()
+    assert f"{CPU_INDEX} -c constraints-cpu.txt '.[torch]'" in readme

@@ -200,6 +200,44 @@ async def test_chat(reference_engines: ReferenceEngineSet) -> None:
     assert last.outputs[0].text == text[:3]
 
 
+# A Hermes-style template that renders the request's tools (tiny-llama's ChatML does not).
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.mark.reference_engines(**ENGINES)
+async def test_chat_renders_tools_through_the_template(
+    reference_engines: ReferenceEngineSet,
+) -> None:
+    """``tools=`` reaches the chat template as ``tools`` (vLLM's ``LLM.chat(tools=...)``),
+    JSON-encoded by transformers' ``tojson``; without tools the template skips them."""
+    llm = LLM(reference_engines.client, model=MODEL_DIR)
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    text, _ = llm.render_chat(messages, chat_template=TOOLS_TEMPLATE, tools=[WEATHER_TOOL])
+    assert text.startswith(
+        '<tools>{"type": "function", "function": {"name": "get_weather", "description": '
+        '"Weather in a city", "parameters": {"type": "object", "properties": {"city": '
+        '{"type": "string"}}}}}</tools>\n<|im_start|>user\nweather in Paris?<|im_end|>\n'
+    )
+    plain, _ = llm.render_chat(messages, chat_template=TOOLS_TEMPLATE)
+    assert plain == "<|im_start|>user\nweather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+    out = await llm.chat_final(
+        messages, greedy(max_tokens=4), chat_template=TOOLS_TEMPLATE, tools=[WEATHER_TOOL]
+    )
+    assert out.prompt == text
+
+
 @pytest.mark.reference_engines(**ENGINES)
 async def test_invalid_requests_are_refused_before_sending(
     reference_engines: ReferenceEngineSet,

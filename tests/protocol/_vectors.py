@@ -35,3 +35,12 @@ def vector_params() -> list[object]:
             if path.name != "INDEX.json":
                 params.append(pytest.param(path, id=f"{release}/{path.stem}"))
     return params
+
+
+#: Vectors this repository records itself (tools/record_structured_vectors.py, run with
+#: stock vLLM): ADD frames with structured outputs, per release folder.
+REPO_VECTORS_ROOT = Path(__file__).resolve().parent / "wire_vectors"
+
+
+def repo_vector_files() -> list[Path]:
+    return sorted(p for p in REPO_VECTORS_ROOT.glob("vllm-*/*.json") if p.name != "INDEX.json")

@@ -489,3 +489,77 @@ def test_noticed_ranks_name_whose_backlog_the_shell_drains() -> None:
     assert session.noticed_ranks is None
     session.declare_noticed()
     assert session.noticed_ranks == frozenset()
+
+
+# ---------------------------------------------------------------------- issue 23.4
+
+
+def _lost_requests(actions: list[s.Action]) -> list[str]:
+    (event,) = [a for a in actions if isinstance(a, s.EmitEvent)]
+    assert event.event.kind == "rank_lost"
+    payload = event.event.payload
+    assert isinstance(payload, dict)
+    return list(payload["requests"])
+
+
+def test_rank_lost_lists_requests_whose_send_failed_before_the_verdict() -> None:
+    """Issue 23.4, message by message: rank 2 dies; its death is noticed by one send
+    and declared only after the drain. Requests routed to rank 2 in between (the
+    balancer still had it) whose ADD found no peer fail with rank 2's death, so the
+    rank_lost event lists them with the ones rank 2 had."""
+    session = ClientSession([0, 1, 2, 3], on_engine_death="continue")
+    old_stream = object()
+    started(session, "old", old_stream, rank=2)
+    started(session, "old-raw", rank=2)
+    started(session, "zero", object(), rank=0)
+    # A new stream routed to 2: its ADD finds no peer (the first notice).
+    started(session, "new", object(), rank=2)
+    record = session.notice_rank(2, "engine 2 is no longer connected", request_id="new")
+    assert (record.rank, "engine rank 2 died" in record.message) == (2, True)
+    assert session.end_request("new") == []  # the shell's cleanup: already out
+    assert "new" not in session.live_requests  # the id is free again
+    # Not declared yet: another one is routed there, and a raw one; both sends fail.
+    assert session.choose_rank(2) == 2
+    started(session, "new2", object(), rank=2)
+    session.notice_rank(2, "engine 2 is no longer connected", request_id="new2")
+    session.end_request("new2")
+    started(session, "new-raw", rank=2)
+    session.notice_rank(2, "engine 2 is no longer connected", request_id="new-raw")
+    session.end_request("new-raw")
+    assert not session.dead
+    actions = session.declare_noticed()
+    assert sorted(_lost_requests(actions)) == ["new", "new-raw", "new2", "old", "old-raw"]
+    # The ones still registered fail now; the send-failed ones failed at their send.
+    failed = [a.handle for a in actions if isinstance(a, s.FailRequest)]
+    assert failed == [old_stream]
+    assert session.in_flight(2) == 0
+    assert session.live_requests == ["old", "zero"]  # the stream until its block is left
+    assert [session.in_flight(r) for r in (0, 1, 3)] == [1, 0, 0]
+
+
+def test_a_send_failure_after_the_verdict_is_listed_once() -> None:
+    """A request started before the verdict whose send fails after it: the verdict
+    already failed and listed it; its late send failure adds nothing."""
+    session = ClientSession([0, 1], on_engine_death="continue")
+    stream = object()
+    started(session, "a", stream, rank=1)
+    session.notice_exit((1,), "exit code -9")
+    assert _lost_requests(session.declare_noticed()) == ["a"]
+    session.notice_rank(1, "engine 1 is no longer connected", request_id="a")
+    session.end_request("a")
+    assert session.declare_noticed() == []  # rank 1 is lost already: no second event
+    assert session.in_flight(1) == 0
+    assert session.live_requests == []
+
+
+def test_send_failures_in_fail_mode_kill_the_client() -> None:
+    session = ClientSession([0, 1])
+    stream = object()
+    started(session, "a", stream, rank=0)
+    started(session, "b", object(), rank=1)
+    record = session.notice_rank(1, "engine 1 is no longer connected", request_id="b")
+    assert record.rank == 1
+    session.end_request("b")
+    actions = session.declare_noticed()
+    assert died(actions).rank == 1
+    assert [a.handle for a in actions if isinstance(a, s.FailRequest)] == [stream]

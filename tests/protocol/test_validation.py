@@ -57,7 +57,7 @@ BAD_SAMPLING: list[tuple[dict[str, Any], str]] = [
                 regex="a", _backend="xgrammar", grammar="g"
             )
         },
-        "exactly one",
+        "multiple are specified",
     ),
     ({"structured_outputs": StructuredOutputsParams(regex="a")}, "_backend"),
     ({"repetition_detection": RepetitionDetectionParams(4, 1, 1)}, "min_count"),

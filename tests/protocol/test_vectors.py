@@ -10,7 +10,7 @@ import pytest
 
 from trio_vllm._wirecheck import check_file, run_wire_check
 
-from ._vectors import RELEASES, require_vectors, vector_dir, vector_params
+from ._vectors import RELEASES, repo_vector_files, require_vectors, vector_dir, vector_params
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -20,6 +20,18 @@ if TYPE_CHECKING:
 def test_vector(path: Path) -> None:
     result = check_file(path)
     assert result.passed, f"{path.name}: {result.reason}"
+
+
+@pytest.mark.parametrize("path", repo_vector_files(), ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_structured_output_vector(path: Path) -> None:
+    """Our own recordings of stock vLLM's ADD frames with structured outputs."""
+    result = check_file(path)
+    assert result.passed, f"{path.name}: {result.reason}"
+
+
+def test_structured_output_vectors_are_there() -> None:
+    names = {p.stem for p in repo_vector_files()}
+    assert {"add_structured_json", "add_structured_choice", "add_structured_regex"} <= names
 
 
 @pytest.mark.parametrize("release", RELEASES)

@@ -90,6 +90,18 @@ OPEN_CLIENT: list[tuple[str, Any, type[Exception], str]] = [
     ("vocab_size", NAN, TypeError, "vocab_size"),
     ("vocab_size", True, TypeError, "vocab_size"),
     ("vocab_size", 1 << 40, ValueError, "vocab_size"),
+    ("hang_timeout", 0, ValueError, "hang_timeout"),
+    ("hang_timeout", 0.05, ValueError, "hang_timeout"),
+    ("hang_timeout", -1.0, ValueError, "hang_timeout"),
+    ("hang_timeout", NAN, ValueError, "hang_timeout"),
+    ("hang_timeout", INF, ValueError, "hang_timeout"),
+    ("hang_timeout", 1e9, ValueError, "hang_timeout"),
+    ("hang_timeout", "30", TypeError, "hang_timeout"),
+    ("hang_timeout", True, TypeError, "hang_timeout"),
+    ("stall_timeout", 0, ValueError, "stall_timeout"),
+    ("stall_timeout", NAN, ValueError, "stall_timeout"),
+    ("stall_timeout", "60", TypeError, "stall_timeout"),
+    ("stall_timeout", False, TypeError, "stall_timeout"),
 ]
 
 

@@ -82,6 +82,10 @@ def _sampling_cases() -> list[tuple[str, SamplingParams, str]]:
     for rule in R.STRUCTURED:
         params = SamplingParams(max_tokens=4, structured_outputs=R.STRUCTURED.example_subject(rule))
         violation = R.STRUCTURED.check(params.structured_outputs, LIMITS)  # type: ignore[arg-type]
+        if rule is R.STRUCTURED["backend_selection"]:
+            # Needs the configured backend, which a raw client does not know.
+            assert violation is None
+            continue
         assert violation is not None
         cases.append((rule.name, params, str(violation)))
     return cases

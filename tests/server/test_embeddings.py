@@ -15,6 +15,7 @@ import trio_vllm as tv
 from trio_vllm.llm import open_llm
 
 from ._util import raw_request, serving
+from .test_body_fuzz import NASTY
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -100,6 +101,20 @@ async def test_embeddings_endpoint() -> None:
             assert "maximum context length is 2048 tokens" in body["error"]["message"]
             status, body = await post(port, {"input": "x", "model": "nope"})
             assert (status, body["error"]["message"]) == (404, "The model `nope` does not exist.")
+            # Malformed bodies: the one decode path's 400s, in vLLM's error shape.
+            for kind, nasty in NASTY:
+                if kind == "embedding":
+                    status, _, data = await raw_request(port, "POST", "/v1/embeddings", nasty, JSON)
+                    assert status == 400, (nasty[:60], data[:200])
+                    assert set(json.loads(data)["error"]) == {"message", "type", "param", "code"}
+            status, _, data = await raw_request(
+                port, "POST", "/v1/embeddings", b'{"input": "x"}', {**JSON, "x-request-id": "h1"}
+            )
+            assert (status, json.loads(data)["id"]) == (200, "embd-h1")
+            status, body = await post(port, {"input": "x", "request_id": "b2"})
+            assert (status, body["id"]) == (200, "embd-b2")
+            status, body = await post(port, {"input": "x", "priority": 3})
+            assert (status, body["error"]["param"]) == (400, "priority")
             # A pooling engine offers no generation routes (vllm serve's choice).
             status, body = await post(port, {"prompt": "x"}, "/v1/completions")
             assert (status, body) == (404, {"detail": "Not Found"})

@@ -64,8 +64,6 @@ def _error(data: bytes) -> dict[str, object]:
         ("/v1/completions", b'{"prompt": [-1, 5]}', "prompt"),
         ("/v1/completions", b'{"prompt": [99999999]}', None),
         ("/v1/completions", b'{"prompt": "x", "use_beam_search": true}', "use_beam_search"),
-        ("/v1/completions", b'{"prompt": "x", "response_format": {"type": "json_object"}}',
-         "response_format"),
         ("/v1/chat/completions", b'{"messages": "hi"}', "messages"),
         ("/v1/chat/completions", b'{"max_tokens": 3}', None),
         ("/v1/chat/completions", b'{"messages": [{"content": "no role"}]}', "messages"),

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 
 import anyio
@@ -165,3 +166,30 @@ async def test_engine_sigkill_ends_every_stream_with_an_error(served: Served) ->
     assert status == 503
     assert json.loads(data)["error"]["type"] == "ServiceUnavailableError"
     assert not served.app.open_requests
+
+
+async def test_begin_shutdown_ends_what_outlives_the_grace(served: Served) -> None:
+    # Both backends, in-process: a stream gets an error event and [DONE], a non-streaming
+    # request a 503; both are aborted on the engine. 1,500 tokens take >= 30 s.
+    stream = await _post(served.port, {**_LONG, "stream": True})
+    received = b""
+    while received.count(b"data: ") < 2:
+        received += await stream.receive()
+    plain = await _post(served.port, _LONG)
+    await wait_until(lambda: len(served.app.open_requests) == 2, timeout=20)
+    served.app.begin_shutdown(0.5)
+    with anyio.fail_after(30):  # a hang guard
+        while not received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+            received += await stream.receive()
+        body = b""
+        with contextlib.suppress(anyio.EndOfStream):
+            while b"ServiceUnavailableError" not in body:
+                body += await plain.receive()
+    await stream.aclose()
+    await plain.aclose()
+    events = re.findall(rb"data: (.*?)\n\n", received)
+    assert events[-1] == b"[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert (error["code"], error["type"]) == (503, "ServiceUnavailableError")
+    assert body.startswith(b"HTTP/1.1 503"), body
+    await wait_until(lambda: _idle(served), timeout=20)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -180,6 +181,39 @@ async def test_sigterm_drains_running_requests_then_exits_0(anyio_backend: str) 
         assert b"SIGTERM" in server.stderr
 
 
+async def test_sigterm_ends_streams_that_outlive_the_grace(anyio_backend: str) -> None:
+    # 1,500 tokens take >= 30 s: the stream is open when the 1 s grace ends, on any machine.
+    async with cli_server(*_SLOWER, "--shutdown-grace", "1") as server:
+        first = anyio.Event()
+        results: list[list[object]] = []
+
+        async def one() -> None:
+            results.append(
+                await _stream(
+                    server.base_url,
+                    {"prompt": "abc", "max_tokens": 1500, "ignore_eos": True, "stream": True},
+                    first,
+                )
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one)
+            await first.wait()
+            server.process.send_signal(signal.SIGTERM)
+        (events,) = results
+        assert events[-1] == "[DONE]"  # a complete SSE stream, not a cut transfer
+        error = events[-2]["error"]  # type: ignore[index]
+        assert (error["code"], error["type"]) == (503, "ServiceUnavailableError")
+        assert "shutdown grace period (1 s)" in error["message"]
+        text = "".join(e["choices"][0]["text"] for e in events[:-2])  # type: ignore[index]
+        assert 0 < len(text) < 1500
+        with anyio.fail_after(30):
+            assert await server.process.wait() == 0
+        assert b"outlived the shutdown grace period (1 s): ended with an error event" in (
+            server.stderr
+        )
+
+
 async def test_engine_death_ends_streams_and_exits_1(anyio_backend: str) -> None:
     async with cli_server(*_SLOWER) as server:
         (engine,) = server.engine_pids()
@@ -264,7 +298,8 @@ async def test_api_key_from_the_environment(anyio_backend: str) -> None:
 
 async def test_usage_errors_exit_2(anyio_backend: str) -> None:
     for args in (["--engine", "vllm"], ["--model", "/no/such/dir"], ["--engines", "0"],
-                 ["--override-generation-config", "[1]"]):  # fmt: skip
+                 ["--override-generation-config", "[1]"],
+                 ["--connect", "tcp://127.0.0.1:1"]):  # fmt: skip
         done = await anyio.run_process(
             [sys.executable, "-m", "trio_vllm.cli", "serve", *args], check=False
         )
@@ -308,7 +343,9 @@ async def test_connect_to_an_engine_started_elsewhere(anyio_backend: str) -> Non
         stdin=None, stdout=None, stderr=None,
     )  # fmt: skip
     try:
-        async with cli_server("--connect", f"tcp://127.0.0.1:{port}", "--engines", "1") as server:
+        async with cli_server(
+            "--connect", f"tcp://127.0.0.1:{port}", "--engines", "1", "--model", MODEL_DIR
+        ) as server:
             assert server.engine_pids() == []  # nothing spawned
             status, _, data = await raw_request(
                 server.port, "POST", "/v1/completions", b'{"prompt": "far", "max_tokens": 3}',
@@ -324,3 +361,64 @@ async def test_connect_to_an_engine_started_elsewhere(anyio_backend: str) -> Non
             if engine.returncode is None:
                 engine.kill()
             await engine.wait()
+
+
+async def _stopped_engine_stream(server: _Server) -> tuple[int, list[object]]:
+    """Open a stream, SIGSTOP the engine once it streams; the stream's events."""
+    (engine,) = server.engine_pids()
+    first = anyio.Event()
+    results: list[list[object]] = []
+
+    async def one() -> None:
+        body = {"prompt": "abc", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        results.append(await _stream(server.base_url, body, first))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one)
+        await first.wait()
+        os.kill(engine, signal.SIGSTOP)
+    return engine, results[0]
+
+
+async def test_a_stopped_engine_ends_streams_and_exits_1(anyio_backend: str) -> None:
+    """Issue 23 (2): a SIGSTOPped engine (alive, sockets open, silent) is a death."""
+    async with cli_server("--engine-hang-timeout", "1", *_SLOWER) as server:
+        engine, events = await _stopped_engine_stream(server)
+        try:
+            assert events[-1] == "[DONE]"
+            error = events[-2]["error"]  # type: ignore[index]
+            assert error["code"] == 503
+            with anyio.fail_after(30):
+                assert await server.process.wait() == 1
+            assert b"did not answer heartbeats for 1 s" in server.stderr
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # stopped by the server's exit
+                os.kill(engine, signal.SIGCONT)
+
+
+async def test_a_stopped_engine_makes_health_503_for_good(anyio_backend: str) -> None:
+    async with cli_server(
+        "--engine-hang-timeout", "1", "--keep-serving-on-engine-death", *_SLOWER
+    ) as server:
+        engine, events = await _stopped_engine_stream(server)
+        try:
+            assert events[-2]["error"]["code"] == 503  # type: ignore[index]
+            assert (await raw_request(server.port, "GET", "/health"))[0] == 503
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        # Resumed, the engine reconnects and may send again: the death stands.
+        await anyio.sleep(1)
+        assert (await raw_request(server.port, "GET", "/health"))[0] == 503
+        assert server.process.returncode is None
+        server.process.send_signal(signal.SIGTERM)
+        with anyio.fail_after(30):
+            assert await server.process.wait() == 0
+
+
+async def test_liveness_flags_are_checked(anyio_backend: str) -> None:
+    done = await anyio.run_process(
+        [sys.executable, "-m", "trio_vllm.cli", "serve", "--engine-stall-timeout", "0.01"],
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert b"--engine-stall-timeout: stall_timeout must be at least 0.1 seconds" in done.stderr

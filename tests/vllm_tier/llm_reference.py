@@ -48,6 +48,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
     model = sys.argv[1]
     cases = json.load(sys.stdin)
@@ -61,7 +62,10 @@ def main() -> None:
     )
     results = []
     for case in cases:
-        params = SamplingParams(**case["params"])
+        fields = dict(case["params"])
+        if fields.get("structured_outputs") is not None:
+            fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
+        params = SamplingParams(**fields)
         if case["kind"] == "chat":
             (out,) = llm.chat(case["messages"], params, use_tqdm=False)
         else:

@@ -140,15 +140,18 @@ def _run_cases(port: int) -> list[dict[str, Any]]:
     return results
 
 
-def serve_both(model: Path, run: Callable[[int], list[Any]]) -> tuple[list[Any], list[Any]]:
+def serve_both(
+    model: Path, run: Callable[[int], list[Any]], server_args: tuple[str, ...] = ()
+) -> tuple[list[Any], list[Any]]:
     """``run(port)`` against ``vllm serve MODEL``, then against ``trio-vllm serve --engine
-    vllm`` on the same model (which must exit 0 on SIGTERM): (vLLM's results, ours)."""
+    vllm`` on the same model (which must exit 0 on SIGTERM): (vLLM's results, ours).
+    ``server_args`` go to both servers' command lines."""
     python = vllm_python()
     env = {**os.environ, **ENGINE_ENV}
     port = _free_port()
     stock = subprocess.Popen(
         [python, str(VLLM_CLI), "serve", str(model), "--served-model-name", SERVED,
-         "--host", "127.0.0.1", "--port", str(port), *SERVE_ARGS],
+         "--host", "127.0.0.1", "--port", str(port), *SERVE_ARGS, *server_args],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
@@ -161,7 +164,7 @@ def serve_both(model: Path, run: Callable[[int], list[Any]]) -> tuple[list[Any],
         [sys.executable, "-m", "trio_vllm.cli", "serve", "--engine", "vllm",
          "--vllm-python", python, "--model", str(model), "--served-model-name", SERVED,
          "--port", str(port), f"--engine-args={' '.join(SERVE_ARGS)}",
-         "--ready-timeout", "800"],
+         "--ready-timeout", "800", *server_args],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:

@@ -40,7 +40,9 @@ class UsageError(Exception):
 class EnginePlan:
     """What the engine options mean, checked before anything starts."""
 
-    model_dir: str  # the model directory: tokenizer, chat template, generation config
+    # The model directory: tokenizer, chat template, generation config. None with
+    # --connect and no --model: engines started elsewhere, whose model is unknown here.
+    model_dir: str | None
     reference_model: str | None  # None: not the reference engine
     engine_args: list[str]  # --engine-args, split
 
@@ -102,7 +104,8 @@ def engine_plan(args: argparse.Namespace) -> EnginePlan:
                 "--connect waits for engines started elsewhere: drop --engine and "
                 "--reference-model (--model DIR still names the tokenizer)"
             )
-        return EnginePlan(args.model or MODEL_DIR, None, engine_args)
+        # No bundled tokenizer stands in for an engine this process knows nothing of.
+        return EnginePlan(args.model, None, engine_args)
     if args.engine == "vllm":
         if not args.model:
             raise UsageError("--engine vllm needs --model (a path or name, as for vllm serve)")
@@ -140,6 +143,7 @@ def engine_source(args: argparse.Namespace, plan: EnginePlan) -> EngineSource:
             args.model, python=args.vllm_python, extra_args=plan.engine_args, count=args.engines
         )
     assert plan.reference_model is not None
+    assert plan.model_dir is not None  # engine_plan's: the reference engine's directory
     extra = list(plan.engine_args)
     if plan.model_dir != MODEL_DIR:
         extra = ["--model-dir", plan.model_dir, *extra]

@@ -7,7 +7,9 @@ another python (``--engine vllm``), or engines started elsewhere that connect to
 tokenizer, the chat template (``--chat``) and the EOS ids; output is detokenized
 incrementally and stop strings (``--stop``) are applied as vLLM's frontend does.
 ``--prompt-token-ids`` sends ids as they are. ``--json`` prints one JSON line per
-completion, in prompt order.
+completion, in prompt order. With ``--connect`` and no ``--model`` there is no model
+directory: no tokenizer is applied, prompts are token ids (checked against
+``--vocab-size`` if given, else left to the engines) and the output is token ids.
 
 Exit status: 0 on success, 1 when engines fail to start or die or a request ends in
 error (its reason on stderr), 2 on bad arguments (sampling values and prompts are checked
@@ -33,7 +35,7 @@ from ._engines import EnginePlan, UsageError, add_engine_arguments, engine_plan,
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from ..client import StartupProgress
+    from ..client import EngineCoreClient, StartupProgress
     from ..llm import LLM
     from ..protocol import SamplingParams
     from ..text import CompletionOutput, RequestOutput
@@ -100,7 +102,13 @@ def add_generate_parser(commands: Any) -> None:
         )
     finally:
         commands._parser_class = base
-    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="text prompt(s)")
+    p.add_argument(
+        "prompts",
+        nargs="*",
+        metavar="PROMPT",
+        help="text prompt(s); '-' (or no prompt at all, with standard input not a terminal) "
+        "reads prompts from standard input, one per line",
+    )
     p.add_argument(
         "--prompt-token-ids",
         action="append",
@@ -143,6 +151,14 @@ def add_generate_parser(commands: Any) -> None:
         help="also stop at this id (the model directory's EOS ids always apply)",
     )
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    s.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --connect and no --model: refuse prompt ids >= N before sending (without "
+        "it the engines check them)",
+    )
     add_engine_arguments(
         p,
         model_help="the model directory (tokenizer, chat template, EOS); reference engine: "
@@ -193,7 +209,8 @@ class _Plan:
     messages: list[list[dict[str, str]]] | None = None
 
     @property
-    def model_dir(self) -> str:
+    def model_dir(self) -> str | None:
+        """None: engines started elsewhere and no --model, so token ids in and out."""
         return self.engines.model_dir
 
 
@@ -233,12 +250,36 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**values)
 
 
+def _stdin_prompts() -> list[str]:
+    """Prompts from standard input, one per line (blank lines skipped), as Unix filters
+    read their input."""
+    return [line for line in sys.stdin.read().splitlines() if line.strip()]
+
+
+def _text_prompts(args: argparse.Namespace) -> list[str]:
+    """The PROMPT arguments, with '-' replaced by standard input's lines; with no prompt
+    at all (nor ids) and standard input not a terminal, those lines alone."""
+    if not args.prompts:
+        if args.prompt_token_ids or sys.stdin is None or sys.stdin.isatty():
+            return []
+        return _stdin_prompts()
+    if "-" not in args.prompts:
+        return list(args.prompts)
+    if args.prompts.count("-") > 1:
+        raise UsageError("'-' (standard input) may be given once")
+    at = args.prompts.index("-")
+    return [*args.prompts[:at], *_stdin_prompts(), *args.prompts[at + 1 :]]
+
+
 def _plan(args: argparse.Namespace) -> _Plan:
     engines = engine_plan(args)
+    args.prompts = _text_prompts(args)
     prompts: list[str | list[int]] = list(args.prompts)
     prompts += [_parse_ids(ids) for ids in args.prompt_token_ids]
     if not prompts:
-        raise UsageError("give a PROMPT or --prompt-token-ids")
+        raise UsageError(
+            "give a PROMPT, --prompt-token-ids, or prompts on standard input (one per line)"
+        )
     messages = None
     if args.chat:
         if args.prompt_token_ids:
@@ -247,13 +288,44 @@ def _plan(args: argparse.Namespace) -> _Plan:
         messages = [[*system, {"role": "user", "content": p}] for p in args.prompts]
     elif args.system is not None:
         raise UsageError("--system goes with --chat")
+    if engines.model_dir is None:
+        _check_ids_only(args, prompts)
+    elif args.vocab_size is not None:
+        raise UsageError(
+            "--vocab-size goes with --connect and no --model (a model directory has its own)"
+        )
     return _Plan(engines, prompts, _sampling_params(args), messages)
 
 
+def _check_ids_only(args: argparse.Namespace, prompts: list[str | list[int]]) -> None:
+    """--connect without --model: what needs a tokenizer is refused, ids are checked
+    only against --vocab-size (the engines check the rest)."""
+    need = "with --connect and no --model there is no tokenizer (the engines' model is "
+    need += "unknown here): give --model DIR, the engines' model directory"
+    if args.chat or any(isinstance(p, str) for p in prompts):
+        raise UsageError(f"text prompts need a tokenizer; {need}, or --prompt-token-ids")
+    for option, used in (("--stop", args.stop), ("--n > 1", args.n > 1),
+                         ("--logprobs", args.logprobs is not None)):  # fmt: skip
+        if used:
+            raise UsageError(f"{option} needs a tokenizer; {need}")
+    if args.vocab_size is not None:
+        if args.vocab_size < 1:
+            raise UsageError("--vocab-size must be at least 1")
+        for ids in prompts:
+            bad = [t for t in ids if isinstance(t, int) and not 0 <= t < args.vocab_size]
+            if bad:
+                raise UsageError(
+                    f"token id {bad[0]} is out of vocabulary (--vocab-size {args.vocab_size})"
+                )
+
+
 def _load_model(plan: _Plan) -> Any:
-    """The model directory's files and tokenizer (``ModelFiles``), or a usage error."""
+    """The model directory's files and tokenizer (``ModelFiles``), or a usage error;
+    ``(None, None)`` without a model directory."""
     from ..text import ModelFiles
 
+    if plan.model_dir is None:
+        return None, None
     try:
         files = ModelFiles(plan.model_dir)
         tokenizer = files.load_tokenizer()
@@ -270,6 +342,8 @@ def _precheck(plan: _Plan, files: Any, tokenizer: Any) -> None:
     from .._exceptions import InvalidRequestError
     from ..text import InputProcessor
 
+    if files is None:
+        return  # token ids only: _check_ids_only did what can be done here
     limit = files.max_position_embeddings or 1 << 31
     inputs = InputProcessor.from_model_files(files, tokenizer, max_model_len=limit)
     try:
@@ -398,6 +472,7 @@ class _Output:
         self.err = err
         self.errors: list[str] = []
         self.live = count == 1 and args.n == 1 and not args.json
+        self.ids_only = False  # no tokenizer: print token ids, not text
 
     def delta(self, index: int, output: RequestOutput) -> None:
         result = self.results[index]
@@ -414,7 +489,11 @@ class _Output:
                 have.cumulative_logprob = c.cumulative_logprob
                 have.finish_reason = c.finish_reason
                 have.stop_reason = c.stop_reason
-            if self.live and c.text:
+            if self.live and self.ids_only and c.token_ids:
+                lead = " " if len(result.completions[c.index].token_ids) > len(c.token_ids) else ""
+                self.out.write(lead + " ".join(map(str, c.token_ids)))
+                self.out.flush()
+            elif self.live and c.text:
                 self.out.write(c.text)
                 self.out.flush()
 
@@ -440,7 +519,7 @@ class _Output:
                     "prompt_index": index,
                     "index": c.index,
                     "request_id": result.request_id,
-                    "text": c.text,
+                    "text": None if self.ids_only else c.text,
                     "token_ids": c.token_ids,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
@@ -456,9 +535,10 @@ class _Output:
                         f"finish_reason={c.finish_reason}, stop_reason={c.stop_reason!r}]\n"
                     )
             else:
+                body = " ".join(map(str, c.token_ids)) if self.ids_only else c.text
                 self.out.write(
                     f"--- prompt {index} completion {k} ({result.request_id}: "
-                    f"{len(c.token_ids)} tokens, {c.finish_reason})\n{c.text}\n"
+                    f"{len(c.token_ids)} tokens, {c.finish_reason})\n{body}\n"
                 )
         self.out.flush()
 
@@ -489,6 +569,47 @@ async def _run_requests(llm: LLM, plan: _Plan, output: _Output) -> None:
             tg.start_soon(one, index)
 
 
+async def _run_ids(client: EngineCoreClient, plan: _Plan, output: _Output) -> None:
+    """Token ids through the raw client (no model directory, so no text layer): each
+    prompt one request, its outputs shown as the text layer's would be, ids only."""
+    import anyio
+
+    from ..client import make_request
+    from ..text import CompletionOutput, RequestOutput
+
+    params = plan.params
+    output.ids_only = True
+
+    async def one(index: int) -> None:
+        prompt = plan.prompts[index]
+        assert isinstance(prompt, list)  # _check_ids_only's
+        request = make_request(
+            prompt,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            seed=params.seed,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            stop_token_ids=params.stop_token_ids or (),
+            ignore_eos=params.ignore_eos,
+            min_tokens=params.min_tokens,
+            max_model_len=client.max_model_len,
+        )
+        async with client.generate(request) as stream:
+            async for out in stream:
+                reason = None if out.finish_reason is None else str(out.finish_reason)
+                completion = CompletionOutput(
+                    0, "", list(out.new_token_ids), None, None, reason, out.stop_reason
+                )
+                output.delta(index, RequestOutput(request.request_id, None, prompt, None,
+                                                  [completion], out.finished))  # fmt: skip
+        output.finish(index)
+
+    async with anyio.create_task_group() as tg:
+        for index in range(len(plan.prompts)):
+            tg.start_soon(one, index)
+
+
 async def _generate(args: argparse.Namespace, plan: _Plan, files: Any, tokenizer: Any) -> int:
     import anyio
 
@@ -508,8 +629,11 @@ async def _generate(args: argparse.Namespace, plan: _Plan, files: Any, tokenizer
                 progress.done(
                     f"{len(client.ranks)} engine(s) ready (protocol of vLLM {client.vllm_version})"
                 )
-                llm = LLM(client, model=plan.model_dir, files=files, tokenizer=tokenizer)
-                await _run_requests(llm, plan, output)
+                if plan.model_dir is None:
+                    await _run_ids(client, plan, output)
+                else:
+                    llm = LLM(client, model=plan.model_dir, files=files, tokenizer=tokenizer)
+                    await _run_requests(llm, plan, output)
         finally:
             progress.done(None)
             tg.cancel_scope.cancel()

@@ -35,6 +35,7 @@ _SUBCOMMANDS: tuple[_Subcommand, ...] = (
     _Subcommand("._generate", "add_generate_parser", "run_generate"),
     _Subcommand("._serve"),
     _Subcommand("._bench"),
+    _Subcommand("._model"),
 )
 
 # ``literal``, `target` and `name` in docstring-derived texts.
@@ -158,6 +159,20 @@ def _silence_stdout() -> None:
         pass
 
 
+def _before_command(argv: Sequence[str] | None, command: str, extra: Sequence[str]) -> bool:
+    """Whether an unrecognized argument comes before the subcommand's name in ``argv``."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    at = next(
+        (
+            i
+            for i, w in enumerate(words)
+            if w == command and (i == 0 or words[i - 1] != "--log-level")
+        ),
+        len(words),
+    )
+    return any(word in extra for word in words[:at])
+
+
 def run(argv: Sequence[str] | None) -> int:
     """Parse ``argv`` and run its subcommand; returns the exit status. A
     ``KeyboardInterrupt`` propagates (``main`` turns it into 130)."""
@@ -166,8 +181,13 @@ def run(argv: Sequence[str] | None) -> int:
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:
-            args.cli_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            # argparse hands back the top level's unknown options with the subcommand's:
+            # blame the parser whose part of the command line holds the first one.
+            blamed = parser if _before_command(argv, args.command, extra) else args.cli_parser
+            blamed.error(f"unrecognized arguments: {' '.join(extra)}")
         prog = args.cli_parser.prog
+        # serve --api-server-count N starts N copies of this command line.
+        args.cli_argv = list(sys.argv[1:] if argv is None else argv)
         handler = _configure_logging(args)
         try:
             status: int = args.cli_run(args)

@@ -8,6 +8,9 @@ vLLM engine cores (``--engine vllm --vllm-python PY``), or headless engines star
 elsewhere that connect to ``--connect tcp://HOST:PORT`` (``--engines N``, data
 parallel included).
 
+--api-server-count N runs N such servers on one listening socket, all sharing the
+engines (as vllm serve --api-server-count N; /metrics sums over them).
+
 Exit status: 0 after SIGTERM or Ctrl-C (no new connections, running requests finish
 within --shutdown-grace, then the engines stop); 1 when the engines fail to start or die
 (every open stream ends with an error event first) unless
@@ -26,7 +29,8 @@ from ._engines import EnginePlan, UsageError, add_engine_arguments, engine_plan,
 if TYPE_CHECKING:
     import argparse
 
-    from ..client import ClientOptions
+    from ..client import ClientOptions, EngineSource
+    from ..server._tools import ToolOptions
 
 __all__ = ["add_parser", "run"]
 
@@ -70,6 +74,15 @@ def add_parser(commands: Any) -> None:
         "(default: the model directory's name)",
     )
     h.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help="LoRA adapters served as model names: 'name=path' or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\' (as vllm serve; the '
+        "engines need LoRA enabled, e.g. --engine-args='--enable-lora ...')",
+    )
+    h.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=None,
@@ -97,6 +110,42 @@ def add_parser(commands: Any) -> None:
         "SSE event, as vllm serve does (default: one event per engine output)",
     )
     h.add_argument("--access-log", action="store_true", help="log every request (hypercorn)")
+    t = p.add_argument_group("tool calling and reasoning (as vllm serve)")
+    t.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='parse tool calls for tool_choice "auto" (needs --tool-call-parser)',
+    )
+    t.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="the model's tool-call format: hermes, llama3_json or pythonic",
+    )
+    t.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split the model's reasoning into the `reasoning` field: deepseek_r1 or qwen3",
+    )
+    h.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N API-server processes on one listening socket, all sharing the "
+        "engines (as vllm serve --api-server-count; default 1: this process serves)",
+    )
+    # One server of an --api-server-count group (set by its parent, not by hand).
+    import argparse
+
+    for flag, kind in (
+        ("--attach-engines", str),
+        ("--api-server-index", int),
+        ("--listen-fd", int),
+        ("--api-server-parent", int),
+    ):
+        h.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
     e = add_engine_arguments(
         p,
         model_help="the model directory (tokenizer, chat template, generation config); "
@@ -104,6 +153,24 @@ def add_parser(commands: Any) -> None:
         "vllm: the model path, as for vllm serve",
         engine_args_help="more engine arguments as one string: `vllm serve`'s with --engine "
         'vllm, the reference engine\'s otherwise (e.g. "--max-num-seqs=256")',
+    )
+    e.add_argument(
+        "--engine-hang-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="an engine that leaves heartbeats unanswered S seconds (stopped, frozen, host "
+        "or network gone) is dead: open streams end with an error, /health answers 503 "
+        "(default 30; 0: no heartbeats)",
+    )
+    e.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="an engine silent S seconds with requests in flight gets a probe; unanswered "
+        "S more seconds, it is dead (a stuck loop). Longer than the longest step "
+        "(default: off)",
     )
     e.add_argument(
         "--generation-config",
@@ -120,6 +187,41 @@ def add_parser(commands: Any) -> None:
         metavar="JSON",
         help="overrides the generation config, e.g. '{\"temperature\": 0.5}'",
     )
+
+
+def _liveness_options(args: argparse.Namespace) -> ClientOptions:
+    """``--engine-hang-timeout`` / ``--engine-stall-timeout`` as client options (0:
+    off); raises `UsageError` for a value the client would refuse."""
+    from ..client._options import resolve_options
+
+    options: ClientOptions = {}
+    for flag, key, value in (
+        ("--engine-hang-timeout", "hang_timeout", args.engine_hang_timeout),
+        ("--engine-stall-timeout", "stall_timeout", args.engine_stall_timeout),
+    ):
+        if value is None:
+            continue
+        seconds = None if value == 0 else float(value)
+        try:
+            resolve_options({key: seconds})
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"{flag}: {exc} (0: off)") from None
+        options[key] = seconds  # type: ignore[literal-required]  # key is one of the two
+    return options
+
+
+def _tool_options(args: argparse.Namespace) -> ToolOptions:
+    """The tool/reasoning flags; `UsageError` as vllm serve refuses to start."""
+    from ..server._tools import ToolOptions
+
+    try:
+        return ToolOptions(
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _json_object(text: str) -> dict[str, object]:
@@ -163,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .._exceptions import EngineStartupError
     from ..server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE
+    from ..server._lora import parse_lora_modules
     from ..server._run import run_openai_server
 
     prog = "trio-vllm serve"
@@ -174,9 +277,23 @@ def run(args: argparse.Namespace) -> int:
             f"{prog}: error: needs {' and '.join(missing)}: pip install 'trio-vllm[serve]'\n"
         )
         return 2
+    attached = args.attach_engines is not None
     try:
         plan = _engine_plan(args)
-        engines = engine_source(args, plan)
+        if plan.model_dir is None:
+            raise UsageError(
+                "--connect without --model: the server renders text and chat with the "
+                "engines' model directory (tokenizer, chat template); give --model DIR"
+            )
+        engines: EngineSource
+        if attached:
+            from ..client import EngineAttachment
+
+            engines = EngineAttachment.from_json(args.attach_engines).client(args.api_server_index)
+        else:
+            engines = engine_source(args, plan)
+        if args.api_server_count < 1:
+            raise UsageError("--api-server-count must be at least 1")
         if not 0 <= args.port <= 65535:
             raise UsageError(f"--port must be in [0, 65535], got {args.port}")
         body_limit = args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES
@@ -185,15 +302,36 @@ def run(args: argparse.Namespace) -> int:
         grace = DEFAULT_SHUTDOWN_GRACE if args.shutdown_grace is None else args.shutdown_grace
         if grace < 0:
             raise UsageError("--shutdown-grace must be >= 0")
+        liveness = _liveness_options(args)
+        tool_options = _tool_options(args)
     except UsageError as exc:
+        sys.stderr.write(f"{prog}: error: {exc}\n")
+        return 2
+    try:
+        loras = parse_lora_modules(args.lora_modules or ())
+    except ValueError as exc:
         sys.stderr.write(f"{prog}: error: {exc}\n")
         return 2
     keys = args.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
     _log_to_stderr(args)
-    options: ClientOptions = {}
+    options: ClientOptions = {**liveness}
     if args.ready_timeout is not None:
         options["ready_timeout"] = args.ready_timeout
     try:
+        if args.api_server_count > 1 and not attached:
+            from ._api_servers import run_api_servers
+
+            return trio.run(
+                lambda: run_api_servers(
+                    engines,
+                    count=args.api_server_count,
+                    child_argv=args.cli_argv,
+                    host=args.host,
+                    port=args.port,
+                    shutdown_grace=grace,
+                    ready_timeout=args.ready_timeout,
+                )
+            )
         return trio.run(
             lambda: run_openai_server(
                 engines,
@@ -206,11 +344,16 @@ def run(args: argparse.Namespace) -> int:
                 shutdown_grace=grace,
                 keep_serving_on_engine_death=args.keep_serving_on_engine_death,
                 merge_outputs=args.merge_outputs,
+                tool_options=tool_options,
                 freeze_gc=True,
                 access_log=args.access_log,
                 generation_config=args.generation_config,
                 override_generation_config=args.override_generation_config,
                 client_options=options,
+                lora_modules=loras,
+                listen_fd=args.listen_fd,
+                server_index=args.api_server_index,
+                parent_pid=args.api_server_parent,
             )
         )
     except BaseException as raised:

@@ -21,10 +21,16 @@ from ._prepare import make_request as make_request
 from ._prepare import new_request_id as new_request_id
 from ._prepare import prepare_pooling_params as prepare_pooling_params
 from ._prepare import prepare_sampling_params as prepare_sampling_params
+from ._shared import AttachedEngines as AttachedEngines
+from ._shared import EngineAttachment as EngineAttachment
+from ._shared import SharedEngines as SharedEngines
+from ._shared import open_shared_engines as open_shared_engines
 from ._streams import RequestStream as RequestStream
 
 __all__ = [
+    "AttachedEngines",
     "ClientOptions",
+    "EngineAttachment",
     "EngineCoreClient",
     "EngineEvent",
     "EngineEvents",
@@ -32,12 +38,14 @@ __all__ = [
     "ExternalEngines",
     "ReferenceEngines",
     "RequestStream",
+    "SharedEngines",
     "StartupProgress",
     "VllmEngines",
     "make_pooling_request",
     "make_request",
     "new_request_id",
     "open_client",
+    "open_shared_engines",
     "prepare_pooling_params",
     "prepare_sampling_params",
 ]

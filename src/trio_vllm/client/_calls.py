@@ -51,7 +51,7 @@ async def call_one(
     call = Call(anyio.Event())
     call_id = session.start_call(method, target, call)
     try:
-        frames = wire.encode_utility(0, call_id, method, args)
+        frames = wire.encode_utility(wire.client_index, call_id, method, args)
         await sender.send(target, frames)
         await call.event.wait()
     finally:

@@ -39,6 +39,7 @@ from .._exceptions import (
     InvalidRequestError,
     ProtocolError,
 )
+from ..protocol.liveness import STALL_PROBE, heartbeat_timing
 from ..protocol.session import (
     ClientSession,
     Died,
@@ -55,6 +56,7 @@ from ..protocol.structs import EngineCoreOutput, EngineCoreRequest, FinishReason
 from . import _args
 from ._calls import call_all, call_one
 from ._engines import check_sources
+from ._liveness import watch_stalls
 from ._mailbox import Mailbox
 from ._options import ClientOptions, resolve_options
 from ._owner import LoopOwner
@@ -75,7 +77,15 @@ from ._utilities import NamedUtilities, NamedUtility, combine_results, wire_args
 from ._wire import Wire
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+    from collections.abc import (
+        AsyncIterator,
+        Awaitable,
+        Callable,
+        Coroutine,
+        Iterable,
+        Mapping,
+        Sequence,
+    )
 
     from ..protocol.profiles import ProtocolProfile
     from ..protocol.session import DeathRecord
@@ -116,9 +126,10 @@ class _Controls:
     """What `open_client`, the client's owner, drives of the client it made: filled by
     `EngineCoreClient` when it is built (its tasks, its exit and close steps)."""
 
-    __slots__ = ("apply", "on_process_exit", "receiver")
+    __slots__ = ("apply", "on_process_exit", "receiver", "stall_watch")
 
     def __init__(self) -> None:
+        self.stall_watch: Callable[[], Coroutine[object, object, None]] | None = None
         self.receiver: Receiver | None = None
         self.apply: Callable[[list[ShellAction]], None] | None = None
         self.on_process_exit: Callable[[EngineProcess], None] | None = None
@@ -138,6 +149,8 @@ class _Parts:
     shutdown_grace: float
     addresses: dict[str, str]
     controls: _Controls
+    hang_timeout: float | None = None
+    stall_timeout: float | None = None
 
 
 @final
@@ -185,7 +198,10 @@ class EngineCoreClient(NamedUtilities):
             self._apply,
             self._queue_raw,
             lambda: self._scaling.join,
+            processes=self._processes,
+            hang_timeout=parts.hang_timeout,
         )
+        self._stall_timeout = parts.stall_timeout
         self._drain_after_exit = self._receiver.drain_after_exit
         self._sender = Sender(self._input, self._session, self._wire, self._receiver.wake)
         self._scaling = Scaling(
@@ -205,6 +221,15 @@ class EngineCoreClient(NamedUtilities):
         controls.receiver = self._receiver
         controls.apply = self._apply
         controls.on_process_exit = self._on_process_exit
+        controls.stall_watch = self._watch_stalls if parts.stall_timeout is not None else None
+
+    async def _watch_stalls(self) -> None:
+        assert self._stall_timeout is not None
+
+        def probe(rank: int) -> Awaitable[object]:
+            return self.call_utility(STALL_PROBE, rank=rank)
+
+        await watch_stalls(self._session, self._stall_timeout, probe, self._receiver.wake)
 
     # ------------------------------------------------------------------ properties
 
@@ -389,7 +414,7 @@ class EngineCoreClient(NamedUtilities):
         request_id, target, frames = self._prepare(request, rank)
         self._session.start_request(request_id, target)
         try:
-            await self._sender.send(target, frames)
+            await self._sender.send(target, frames, request_id=request_id)
         except BaseException:
             self._apply(self._session.end_request(request_id))
             raise
@@ -488,7 +513,7 @@ class EngineCoreClient(NamedUtilities):
         self._session.start_request(request_id, target, stream)
         sent = False
         try:
-            await self._sender.send(target, frames)
+            await self._sender.send(target, frames, request_id=request_id)
             sent = True
             self._apply(self._session.request_sent(target))
             yield stream
@@ -635,8 +660,8 @@ async def open_client(
             the addresses of its own layout, e.g. its own host).
         **options: the `ClientOptions` (``ready_timeout``, ``profile``,
             ``allow_insecure_serialization``, ``shutdown_grace``, ``stream_buffer``,
-            ``on_progress``, ``on_engine_death``, ``waves``, ``vocab_size``), each
-            documented there.
+            ``on_progress``, ``on_engine_death``, ``waves``, ``vocab_size``,
+            ``hang_timeout``, ``stall_timeout``), each documented there.
 
     Raises:
         TypeError, ValueError: a bad argument or an unknown keyword (named in the
@@ -663,7 +688,11 @@ async def open_client(
     session: Session = ClientSession(
         source_set.ranks, on_engine_death=on_engine_death, waves=resolved["waves"]
     )
-    sockets = Sockets(watch_disconnects=any(lay.watch_disconnects for lay in source_set.layouts))
+    hang_timeout = resolved["hang_timeout"]
+    sockets = Sockets(
+        watch_disconnects=any(lay.watch_disconnects for lay in source_set.layouts),
+        heartbeat=None if hang_timeout is None else heartbeat_timing(hang_timeout),
+    )
     processes: list[EngineProcess] = []
     controls = _Controls()
     body_error: BaseException | None = None
@@ -698,6 +727,8 @@ async def open_client(
                         f"cannot talk to {source_set.describe()}: {exc}. Pin a profile with "
                         "open_client(profile=...) only if you know the wire layout matches."
                     ) from exc
+                wire.client_index = source_set.sources[0].client_index
+                wire.client_count = source_set.sources[0].client_count
                 wire.set_limits(connected.complete.ready_responses)
                 wire.vocab_size = resolved["vocab_size"]
                 client = EngineCoreClient(
@@ -712,6 +743,8 @@ async def open_client(
                         shutdown_grace=shutdown_grace,
                         addresses=sockets.addresses(connected.handshakes),
                         controls=controls,
+                        hang_timeout=hang_timeout,
+                        stall_timeout=resolved["stall_timeout"],
                     )
                 )
                 # An engine may have exited between READY and now.
@@ -722,6 +755,8 @@ async def open_client(
                 assert receiver is not None
                 tg.start_soon(receiver.receive_loop)
                 tg.start_soon(receiver.guard_input)
+                if controls.stall_watch is not None:
+                    tg.start_soon(controls.stall_watch)
                 yield client
             except BaseException as exc:
                 body_error = exc

@@ -62,6 +62,7 @@ class SocketLayout:
     expect_local: bool | None
     expect_headless: bool | None
     watch_disconnects: bool = False
+    attach: tuple[str, str] | None = None
 
 
 class EngineSource:
@@ -72,6 +73,10 @@ class EngineSource:
 
     count: int
     start_rank: int
+    # Which of the engines' frontends this client is (several only when attached to
+    # shared engines, `AttachedEngines`): stamped into every request and utility call.
+    client_index: int = 0
+    client_count: int = 1
 
     def __init__(self, count: int, start_rank: int) -> None:
         kind = type(self).__name__

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final, Literal, TypedDict
 
+from ..protocol.liveness import DEFAULT_HANG_TIMEOUT
 from . import _args
 from ._startup import DEFAULT_SHUTDOWN_GRACE
 
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
 __all__ = ["ClientOptions", "option_names", "resolve_options"]
 
 _MAX_VOCAB_SIZE: Final = (1 << 31) - 1
+# hang_timeout / stall_timeout bounds: libzmq takes heartbeat times in int ms; below
+# 0.1 s a heartbeat is scheduling noise, above a day a typo.
+_MIN_LIVENESS_S: Final = 0.1
+_MAX_LIVENESS_S: Final = 86400.0
 
 
 class ClientOptions(TypedDict, total=False):
@@ -60,6 +65,17 @@ class ClientOptions(TypedDict, total=False):
             token id at or above it (prompt, ``allowed_token_ids``, ``logit_bias``,
             stop ids, ...) is refused with ``ValueError`` before it is sent, since a
             stock engine core dies of such an id.
+        hang_timeout: seconds an engine may leave the client's heartbeats (ZMTP
+            PINGs, answered by the engine's libzmq I/O thread, also during a long
+            step) unanswered before it is declared dead: an `EngineDeadError` naming
+            the rank on every stream and call, as for a crash (default 30; ``None``:
+            no heartbeats). Catches a stopped or frozen process, a lost host or a cut
+            network; see docs/reliability.md.
+        stall_timeout: seconds with requests in flight on a rank and nothing heard
+            from it before a probe utility call (``is_sleeping``, answered between
+            steps) is sent, and again before an unanswered probe makes it dead: a
+            loop that is stuck while its sockets answer (default ``None``: off). Must
+            exceed the longest step (a GPU prefill can take seconds).
     """
 
     ready_timeout: float | None
@@ -71,6 +87,8 @@ class ClientOptions(TypedDict, total=False):
     on_engine_death: Literal["fail", "continue"]
     waves: bool
     vocab_size: int | None
+    hang_timeout: float | None
+    stall_timeout: float | None
 
 
 def _on_progress(name: str, value: object) -> object:
@@ -100,6 +118,17 @@ def _seconds(name: str, value: object) -> object:
     return _args.seconds(name, value, maximum=_args.MAX_SHUTDOWN_GRACE, allow_zero=True)
 
 
+def _liveness_seconds(name: str, value: object) -> object:
+    if value is None:
+        return None
+    number = _args.seconds(name, value, maximum=_MAX_LIVENESS_S, allow_zero=False)
+    if number < _MIN_LIVENESS_S:
+        raise ValueError(
+            f"{name} must be at least {_MIN_LIVENESS_S:g} seconds (or None: off), got {value!r}"
+        )
+    return number
+
+
 def _keep(check: Callable[[str, object], None]) -> Callable[[str, object], object]:
     def keep(name: str, value: object) -> object:
         check(name, value)
@@ -124,6 +153,8 @@ _OPTIONS: Final[dict[str, tuple[object, Callable[[str, object], object]]]] = {
     "on_engine_death": ("fail", _one_of("fail", "continue")),
     "waves": (False, _keep(_args.flag)),
     "vocab_size": (None, _optional_int(_MAX_VOCAB_SIZE)),
+    "hang_timeout": (DEFAULT_HANG_TIMEOUT, _liveness_seconds),
+    "stall_timeout": (None, _liveness_seconds),
 }
 
 

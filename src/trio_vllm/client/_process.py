@@ -167,6 +167,10 @@ class EngineProcess:
             if self.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     self.process.send_signal(signal.SIGTERM)
+                # A stopped engine (SIGSTOP, or declared hung) would hold its SIGTERM
+                # pending for the whole grace: let it run and handle it now.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.pid, signal.SIGCONT)
                 with anyio.move_on_after(grace):
                     await self.process.wait()
             else:

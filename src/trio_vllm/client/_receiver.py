@@ -19,14 +19,16 @@ from zmq.utils.monitor import parse_monitor_message
 
 from .._exceptions import ProtocolError
 from ..protocol.handshake import rank_for_identity
+from ..protocol.liveness import hang_message
 from ..protocol.session import QueueRaw, RankState
 from ._startup import _bytes
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from ..protocol.structs import EngineCoreOutputs
     from ..transport import AsyncSocket
+    from ._process import EngineProcess
     from ._startup import HandshakeRun, Sockets
     from ._types import Session, ShellAction
     from ._wire import Wire
@@ -42,6 +44,10 @@ _EXIT_QUIET_S: Final = 0.004
 _EXIT_DRAIN_S: Final = 0.03
 _EXIT_OTHERS: Final = 32
 _EXIT_DRAIN_MAX_S: Final = 1.0
+# A spawned engine's connection dropped (with heartbeats on): wait this long for its
+# process to exit before calling it a hang. An exit closes the connection too, and the
+# process watcher, which names the exit code, may hear of it a moment later.
+_EXIT_GRACE_S: Final = 1.0
 # After a batch that queued raw outputs (get_output), the next receive batch ends after
 # this many bytes of frames (the transport's default is 256 KiB): up to 256 small
 # messages, but ~8 of 64 outputs each. Everything of a batch is decoded before the
@@ -69,8 +75,13 @@ class Receiver:
         apply: Callable[[list[ShellAction]], None],
         queue_raw: Callable[[EngineCoreOutputs], None],
         join: Callable[[], HandshakeRun | None],
+        *,
+        processes: Sequence[EngineProcess] = (),
+        hang_timeout: float | None = None,
     ) -> None:
         self._session = session
+        self._processes = processes  # the client's list (add_engines extends it)
+        self._hang_timeout = hang_timeout
         self._sockets = sockets
         self._input = sockets.input
         self._wire = wire
@@ -265,6 +276,9 @@ class Receiver:
                         if isinstance(raw_endpoint, bytes)
                         else str(raw_endpoint)
                     )
+                    if endpoint in self._sockets.hang_ranks:
+                        await self._hung_connection(endpoint)
+                        continue
                     if endpoint_ranks and endpoint not in endpoint_ranks:
                         continue  # an engine whose process exit is watched instead
                     behind = endpoint_ranks.get(endpoint, [])
@@ -279,6 +293,11 @@ class Receiver:
                         f"lost the connection to an engine on the input socket "
                         f"({endpoint}): the engine process or its host is gone"
                     )
+                    if self._hang_timeout is not None:
+                        message += (
+                            f", or it did not answer heartbeats for {self._hang_timeout:g} s"
+                            " (hang_timeout)"
+                        )
                     if self._session.on_engine_death == "continue" and ranks:
                         # Several engines of one source behind this endpoint: the
                         # connection does not say which left, and a headless vLLM
@@ -294,3 +313,43 @@ class Receiver:
             return
         except Exception as exc:  # cancellation is a BaseException: it passes through
             self.die(f"input socket monitor failed: {exc!r}", exc)
+
+    async def _hung_connection(self, endpoint: str) -> None:
+        """A spawned engine's connection dropped: libzmq closes one that did not answer
+        heartbeats for ``hang_timeout``. Unless its process exits within a grace (then
+        the process watcher declares that, exit code and all), its ranks are noticed
+        dead of a hang, through the one death path (drain, then declare)."""
+        session = self._session
+        hang_timeout = self._hang_timeout
+        assert hang_timeout is not None  # hang_ranks is filled only with heartbeats on
+
+        def live() -> list[int]:
+            return [
+                r
+                for r in self._sockets.hang_ranks[endpoint]
+                if session.state(r) in (RankState.LIVE, RankState.RETIRING)
+            ]
+
+        def over() -> bool:  # a function: mypy would keep ``session.dead`` narrowed
+            return session.dead or self.closing
+
+        ranks = live()
+        if not ranks or over():
+            return
+        processes = [p for p in self._processes if set(p.ranks) & set(ranks)]
+        deadline = anyio.current_time() + _EXIT_GRACE_S
+        while anyio.current_time() < deadline:
+            if any(p.exited.is_set() for p in processes) or over():
+                return
+            await anyio.sleep(0.02)
+        ranks = live()
+        if not ranks or over():
+            return
+        message = hang_message(ranks, hang_timeout)
+        if session.on_engine_death == "continue":
+            for rank in ranks:
+                session.notice_rank(rank, message)
+        else:
+            session.notice_rank(ranks[0] if len(ranks) == 1 else None, message)
+        logger.warning("%s", message)
+        self.wake()

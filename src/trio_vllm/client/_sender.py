@@ -43,13 +43,19 @@ class Sender:
         self._wire = wire
         self._wake = wake  # the receive task: drain, then declare a noticed death
 
-    async def send(self, rank: int, frames: Sequence[bytes]) -> None:
+    async def send(
+        self, rank: int, frames: Sequence[bytes], *, request_id: str | None = None
+    ) -> None:
         """Send one message to ``rank``; `EngineDeadError` if it (or the client) is gone.
+        ``request_id``: the message is that request's ADD (a failed send then fails the
+        request with the rank's death, and its ``rank_lost`` event lists it).
         Cancellation: as the socket's send (nothing sent)."""
         try:
             await self._input.send([identity_for_rank(rank), *frames])
         except UnroutableError as exc:
-            record = self._session.notice_rank(rank, f"engine {rank} is no longer connected", exc)
+            record = self._session.notice_rank(
+                rank, f"engine {rank} is no longer connected", exc, request_id=request_id
+            )
             self._wake()
             raise record.error() from exc
         except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:

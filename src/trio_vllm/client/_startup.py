@@ -36,6 +36,7 @@ from ._args import DEFAULT_READY_TIMEOUT, ready_timeout
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
+    from ..protocol.liveness import HeartbeatTiming
     from ._engines import EngineSource, SocketLayout
     from ._process import EngineProcess
 
@@ -94,6 +95,12 @@ class SourceSet:
                     )
                 seen[rank] = source
         self.ranks = sorted(seen)
+        attached = [s for s in self.sources if s.client_count > 1 or s.client_index > 0]
+        if attached and len(self.sources) > 1:
+            raise ValueError(
+                "AttachedEngines cannot be combined with other engine sources: a client "
+                "attached to shared engines has exactly those engines"
+            )
         self.layouts = [source.layout() for source in self.sources]
 
     def describe(self) -> str:
@@ -117,18 +124,26 @@ class Sockets:
     Construction raises (and leaves nothing open) if a socket cannot be made.
     """
 
-    def __init__(self, *, watch_disconnects: bool) -> None:
+    def __init__(
+        self, *, watch_disconnects: bool, heartbeat: HeartbeatTiming | None = None
+    ) -> None:
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=2)
         self.ipc_dir = PrivateIpcDir()
         self.all: list[AsyncSocket] = []
         self.monitor: AsyncSocket | None = None
         self.endpoint_ranks: dict[str, list[int]] = {}
+        # With heartbeats: the bound input of each spawned (process-watched) engine ->
+        # its rank. Each such rank gets an endpoint of its own (handshake_parts), so
+        # that a connection dropped for silence names it.
+        self.heartbeat = heartbeat
+        self.hang_ranks: dict[str, list[int]] = {}
         # layout key -> (bound input, advertised input, advertised output)
         self._data: dict[tuple[str | None, str | None, int], tuple[str, str, str]] = {}
+
         self._watched = itertools.count()
         self._handshakes = itertools.count()
         try:
-            if watch_disconnects:
+            if watch_disconnects or heartbeat is not None:
                 self.input = self._monitored_input()
             else:
                 self.input = self._create(zmq.ROUTER)
@@ -151,6 +166,14 @@ class Sockets:
             raw.setsockopt(zmq.ROUTER_MANDATORY, 1)
             for option in _UNBOUNDED:
                 raw.setsockopt(option, 0)
+            if self.heartbeat is not None:
+                # Before any bind: a listener copies the socket's options when it is
+                # made, and every connection it accepts gets them. libzmq then PINGs
+                # each engine every interval and drops a connection that brought
+                # nothing for timeout after a PING (ZMTP 3.1; the engine's libzmq I/O
+                # thread answers, whatever its Python does).
+                raw.setsockopt(zmq.HEARTBEAT_IVL, self.heartbeat.interval_ms)
+                raw.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat.timeout_ms)
             address = f"inproc://trio-vllm-monitor-{id(raw)}"
             raw.monitor(address, zmq.EVENT_DISCONNECTED)
             socket = AsyncSocket(raw)
@@ -165,11 +188,18 @@ class Sockets:
 
     def bind_data(self, layout: SocketLayout, ranks: Sequence[int]) -> tuple[str, str, str]:
         """The (bound input, advertised input, advertised output) for a source."""
-        own = next(self._watched) if layout.watch_disconnects else -1
+        hang_watched = self.heartbeat is not None and not layout.watch_disconnects
+        own = next(self._watched) if layout.watch_disconnects or hang_watched else -1
         key = (layout.data_host, layout.data_bind_host, own)
+        if layout.attach is not None:
+            key = (*layout.attach, own)
         if key not in self._data:
             suffix = str(len(self._data) or "")
-            if layout.data_host is None:
+            if layout.attach is not None:
+                bound_in = _bind(self.input, layout.attach[0], "input")
+                bound_out = _bind(self.output, layout.attach[1], "output")
+                self._data[key] = (bound_in, bound_in, bound_out)
+            elif layout.data_host is None:
                 bound_in = _bind(self.input, self.ipc_dir.endpoint(f"input{suffix}"), "input")
                 bound_out = _bind(self.output, self.ipc_dir.endpoint(f"output{suffix}"), "output")
                 self._data[key] = (bound_in, bound_in, bound_out)
@@ -181,6 +211,8 @@ class Sockets:
                     _advertised(bound_in, layout.data_host),
                     _advertised(_bind(self.output, bind, "output"), layout.data_host),
                 )
+        if hang_watched:
+            self.hang_ranks.setdefault(self._data[key][0], []).extend(ranks)
         return self._data[key]
 
     def watch(self, bound_input: str, ranks: Sequence[int]) -> None:
@@ -196,6 +228,9 @@ class Sockets:
         binds: dict[str, str] = {}
         addresses: list[str] = []
         for layout in layouts:
+            if layout.attach is not None:
+                addresses.append("")  # attached: the sharing process did the handshake
+                continue
             wanted = layout.handshake_bind or "ipc"
             if wanted not in binds or wanted.endswith(":0"):
                 if layout.handshake_bind is None:
@@ -215,7 +250,7 @@ class Sockets:
         for i, (_bound, advertised_in, advertised_out) in enumerate(self._data.values()):
             found[f"input{i or ''}"] = advertised_in
             found[f"output{i or ''}"] = advertised_out
-        for i, address in enumerate(handshakes):
+        for i, address in enumerate(a for a in handshakes if a):
             found[f"handshake{i or ''}"] = address
         return found
 
@@ -456,18 +491,26 @@ def handshake_parts(
     parts: list[ClientHandshake] = []
     watched: list[tuple[str, list[int]]] = []
     for source, layout in zip(engines.sources, engines.layouts, strict=True):
-        bound_in, source_input, source_output = sockets.bind_data(layout, source.ranks)
-        if layout.watch_disconnects:
-            watched.append((bound_in, source.ranks))
-        parts.append(
-            ClientHandshake(
-                source.ranks,
-                inputs=[source_input],
-                outputs=[source_output],
-                expect_local=layout.expect_local,
-                expect_headless=layout.expect_headless,
+        groups = [source.ranks]
+        if sockets.heartbeat is not None and not layout.watch_disconnects:
+            # Spawned engines, heartbeats on: an endpoint pair per rank (each engine is
+            # told its own in the init metadata), so that a connection dropped for
+            # silence names that rank alone, not every rank of the source.
+            groups = [[rank] for rank in source.ranks]
+        for ranks in groups:
+            bound_in, source_input, source_output = sockets.bind_data(layout, ranks)
+            if layout.watch_disconnects:
+                watched.append((bound_in, ranks))
+            parts.append(
+                ClientHandshake(
+                    ranks,
+                    inputs=[source_input],
+                    outputs=[source_output],
+                    expect_local=layout.expect_local,
+                    expect_headless=layout.expect_headless,
+                    stage="both" if layout.attach is None else "input",
+                )
             )
-        )
     return parts, watched
 
 

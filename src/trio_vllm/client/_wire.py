@@ -37,6 +37,11 @@ class Wire:
         self.profile = profile
         self.vllm_version = vllm_version
         self.allow_insecure_serialization = allow_insecure_serialization
+        # This client's place among the engines' frontends (AttachedEngines): vLLM's
+        # client stamps its index into every ADD and utility call, and the engine
+        # sends their results to outputs[client_index].
+        self.client_index = 0
+        self.client_count = 1
         self.max_model_len: int | None = None
         self.supports_lora: bool | None = None
         # The model's vocabulary size, when the caller knows it (open_client(vocab_size=)).
@@ -129,11 +134,14 @@ class Wire:
             vocab_size=self._vocab_size,
             supports_lora=self.supports_lora,
             supported_tasks=self._supported_tasks,
-            num_clients=1,  # this client is the engines' only frontend
+            num_clients=self.client_count,
         )
 
     def encode_add(self, request: EngineCoreRequest) -> list[Any]:
-        """Encode an ADD that passed `validate_request`."""
+        """Encode an ADD that passed `validate_request`, stamped with this client's
+        index (as vLLM's client overwrites it: the engine routes by it)."""
+        if request.client_index != self.client_index:
+            request = msgspec.structs.replace(request, client_index=self.client_index)
         return self._codec.encode_add(request, validate=False)
 
     def encode_abort(self, request_ids: Sequence[str]) -> list[Any]:

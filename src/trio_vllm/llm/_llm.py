@@ -149,6 +149,7 @@ class LLM:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> contextlib.AbstractAsyncContextManager[RequestOutputStream]:
         """Generate from ``prompt``: ``async with llm.generate(p, params) as stream``.
 
@@ -162,9 +163,17 @@ class LLM:
         aborts every unfinished child on the engine. Registering and sending are one step
         under cancellation: a cancelled ``__aenter__`` left nothing in this LLM and no
         request on the engine. Engine death raises `EngineDeadError`.
+
+        ``lora_request`` runs the request with that LoRA adapter (vLLM's
+        ``lora_request=``; the engines load it on first use). Engines without LoRA
+        support refuse it with `InvalidRequestError` when the block is entered, before
+        anything is sent.
         """
         processed = self._inputs.process_inputs(
-            self._new_id() if request_id is None else request_id, prompt, params
+            self._new_id() if request_id is None else request_id,
+            prompt,
+            params,
+            lora_request=lora_request,
         )
         return self._stream(processed)
 
@@ -174,6 +183,7 @@ class LLM:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
         """Generate and return the final output with all ``n`` completions.
 
@@ -181,7 +191,9 @@ class LLM:
         Cancellation aborts the request on the engine; errors as `generate`.
         """
         params = final_only(self.sampling_defaults, params)
-        async with self.generate(prompt, params, request_id=request_id) as stream:
+        async with self.generate(
+            prompt, params, request_id=request_id, lora_request=lora_request
+        ) as stream:
             return await _last_output(stream)
 
     def chat(
@@ -193,11 +205,15 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> contextlib.AbstractAsyncContextManager[RequestOutputStream]:
         """Generate a reply to a conversation: `render_chat`, then `generate`.
 
-        ``messages`` are OpenAI-shaped (``{"role": ..., "content": ...}``). A bad
-        conversation or template raises `InvalidRequestError` here.
+        ``messages`` are OpenAI-shaped (``{"role": ..., "content": ...}``); ``tools``
+        (OpenAI tool definitions) reach the chat template as ``tools``, as vLLM's
+        ``LLM.chat(tools=...)``. A bad conversation or template raises
+        `InvalidRequestError` here.
         """
         processed = self._inputs.process_chat(
             self._new_id() if request_id is None else request_id,
@@ -206,6 +222,8 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+            lora_request=lora_request,
         )
         return self._stream(processed)
 
@@ -218,6 +236,8 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
         """`chat`, returning the final output (as `generate_final`)."""
         params = final_only(self.sampling_defaults, params)
@@ -228,6 +248,8 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+            lora_request=lora_request,
         ) as stream:
             return await _last_output(stream)
 
@@ -238,6 +260,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> tuple[str, list[int]]:
         """The prompt text and token ids of a conversation (the model's chat template,
         or ``chat_template``). Raises `InvalidRequestError`."""
@@ -246,6 +269,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
 
     # ------------------------------------------------------------------ pooling

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -201,6 +201,12 @@ class ClientHandshake:
             parallel_config: the remaining fields of the init metadata (§2.1).
         expect_local, expect_headless: what the engines' HELLO/READY must say; ``None``
             accepts either. Headless engines say ``local=False, headless=True``.
+        stage: ``"both"`` (one frontend: complete once every rank sent READY *and*
+            its ready response), ``"handshake"`` (the parent of several frontends:
+            complete on READY alone, since each ready response goes to the input
+            socket of every frontend, not to the parent) or ``"input"`` (one of
+            several frontends: another process did the handshake; complete once
+            every rank's ready response arrived here; `receive_handshake` refuses).
     """
 
     def __init__(
@@ -215,14 +221,21 @@ class ClientHandshake:
         parallel_config: Mapping[str, int | str | list[int]] | None = None,
         expect_local: bool | None = None,
         expect_headless: bool | None = None,
+        stage: Literal["both", "handshake", "input"] = "both",
     ) -> None:
+        if stage not in ("both", "handshake", "input"):
+            raise ValueError(f"stage must be 'both', 'handshake' or 'input', got {stage!r}")
         if not ranks:
             raise ValueError("expected at least one engine rank")
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"duplicate ranks in {list(ranks)}")
         for rank in ranks:
             identity_for_rank(rank)  # validates the range
-        self._ranks: dict[int, _Rank] = {rank: _Rank() for rank in sorted(ranks)}
+        self.stage = stage
+        # Attached (stage "input"): the handshake socket is someone else's; every rank
+        # is as good as READY there.
+        first = RankState.READY if stage == "input" else RankState.WAIT_HELLO
+        self._ranks: dict[int, _Rank] = {rank: _Rank(state=first) for rank in sorted(ranks)}
         self._config = _Config(
             init_payload=encode_init_metadata(
                 inputs=inputs,
@@ -279,7 +292,9 @@ class ClientHandshake:
         no_response = [
             r
             for r, s in self._ranks.items()
-            if s.state is not RankState.WAIT_HELLO and s.ready_response is None
+            if s.state is not RankState.WAIT_HELLO
+            and s.ready_response is None
+            and self.stage != "handshake"
         ]
         if no_hello:
             parts.append(f"no HELLO yet from rank(s) {no_hello} (engine not connected)")
@@ -299,6 +314,11 @@ class ClientHandshake:
         """
         self._check_usable()
         try:
+            if self.stage == "input":
+                raise ProtocolError(
+                    "handshake message on an attached client (the engines' handshake "
+                    "is done by the process that shares them)"
+                )
             return self._receive_handshake(identity, payload)
         except ProtocolError as exc:
             self._fail(exc)
@@ -308,6 +328,11 @@ class ClientHandshake:
         """Feed one ``[identity][payload]`` message from the input ROUTER during startup."""
         self._check_usable()
         try:
+            if self.stage == "handshake":
+                raise ProtocolError(
+                    "input message on a handshake-only client (the ready responses go "
+                    "to the frontends that share the engines)"
+                )
             return self._receive_input(identity, payload)
         except ProtocolError as exc:
             self._fail(exc)
@@ -455,8 +480,9 @@ class ClientHandshake:
         return events
 
     def _maybe_complete(self) -> list[HandshakeEvent]:
+        need_response = self.stage != "handshake"
         if not all(
-            s.state is RankState.READY and s.ready_response is not None
+            s.state is RankState.READY and (s.ready_response is not None or not need_response)
             for s in self._ranks.values()
         ):
             return []

@@ -250,12 +250,13 @@ class Aborted(Generic[S, C]):
 
 
 class _Rank:
-    __slots__ = ("reason", "served", "state")
+    __slots__ = ("heard", "reason", "served", "state")
 
     def __init__(self, state: RankState, *, served: bool) -> None:
         self.state = state
         self.served = served  # finished startup or a join (failed joins never did)
         self.reason: str | None = None
+        self.heard = 0  # output messages received from it (the stall watch's progress)
 
 
 class _Request(Generic[S]):
@@ -322,6 +323,10 @@ class ClientSession(Generic[S, C]):
         # ENGINE_CORE_DEAD carries no rank: with several live ranks in "continue" mode
         # the process exit or dropped connection that follows names the rank (§8.3).
         self.unattributed_deaths = 0
+        # Requests whose ADD found their rank gone (the send raised) before the rank's
+        # death was declared: rank -> (id, request), still counted in the balancer.
+        # They failed with that rank's death, so its rank_lost event lists them.
+        self._send_failed: dict[int, list[tuple[str, _Request[S]]]] = {}
 
     # ------------------------------------------------------------------ ranks
 
@@ -351,6 +356,12 @@ class ClientSession(Generic[S, C]):
 
     def in_flight(self, rank: int) -> int:
         return self._balancer.in_flight(rank)
+
+    def heard(self, rank: int) -> int:
+        """How many output messages (outputs, stats, utility replies) came from
+        ``rank`` since it served: each one is a step of its loop (the stall watch)."""
+        info = self._ranks.get(rank)
+        return 0 if info is None else info.heard
 
     @property
     def current_wave(self) -> int | None:
@@ -496,8 +507,14 @@ class ClientSession(Generic[S, C]):
         if self.death is not None:
             return []
         info = None if rank is None else self._ranks.get(rank)
+        send_failed = [] if rank is None else self._send_failed.pop(rank, [])
         if info is not None and info.state in (RankState.LOST, RankState.RETIRED):
-            return []  # already gone, or gone as expected
+            # Already gone, or gone as expected: nothing more to declare (a request
+            # whose send failed after the verdict was counted in that verdict).
+            actions: list[Action[S, C]] = []
+            for _, req in send_failed:
+                actions.extend(self._release(req))
+            return actions
         if self.on_engine_death != "continue" or rank is None or info is None or not info.served:
             return self._die(message, rank, cause)
         was_retiring = info.state is RankState.RETIRING
@@ -508,8 +525,13 @@ class ClientSession(Generic[S, C]):
         if not self._balancer.live_ranks:
             return self._die(f"every engine is gone; the last: {message}", rank, cause)
         record = DeathRecord(f"engine rank {rank} died: {message}", rank, cause)
-        actions: list[Action[S, C]] = [FailCall(c.handle, record) for c in self._take_calls(rank)]
+        actions = [FailCall(c.handle, record) for c in self._take_calls(rank)]
+        # First the requests routed here in the moment before the death was noticed,
+        # whose send failed (their callers got this rank's EngineDeadError already).
         failed: list[str] = []
+        for request_id, req in send_failed:
+            failed.append(request_id)
+            self._release(req)
         for request_id, req in list(self._requests.items()):
             if req.rank != rank or not req.counted:
                 continue
@@ -530,13 +552,32 @@ class ClientSession(Generic[S, C]):
     # Deaths noticed outside the output stream: drain first, then declare.
 
     def notice_rank(
-        self, rank: int | None, message: str, cause: BaseException | None = None
+        self,
+        rank: int | None,
+        message: str,
+        cause: BaseException | None = None,
+        *,
+        request_id: str | None = None,
     ) -> DeathRecord:
-        """A send found no peer for ``rank`` or its connection dropped. Nothing changes
-        until `declare_noticed` (after the shell drained the output socket).
-        Returns the record the caller that noticed it raises now."""
+        """A send found no peer for ``rank`` or its connection dropped. Nothing else
+        changes until `declare_noticed` (after the shell drained the output socket).
+        Returns the record the caller that noticed it raises now.
+
+        ``request_id``: the send that failed was that request's ADD. The request fails
+        now, with this rank's death (the caller raises the record), and leaves the
+        registry (its id is free again); it stays counted on the rank until the
+        verdict, whose ``rank_lost`` event lists it with the rank's other requests.
+        """
         if self.death is not None:
             return self.death
+        if request_id is not None and rank is not None:
+            req = self._requests.get(request_id)
+            # Not counted: the rank's verdict came first and failed (and listed) it.
+            if req is not None and req.counted and req.rank == rank:
+                del self._requests[request_id]
+                if req.handle is None:
+                    self._raw_live -= 1
+                self._send_failed.setdefault(rank, []).append((request_id, req))
         self._noticed.append((None if rank is None else (rank,), message, cause))
         self._note_from(None if rank is None else (rank,))
         if rank is not None and self.on_engine_death == "continue":
@@ -766,6 +807,7 @@ class ClientSession(Generic[S, C]):
             )
         if not info.served or info.state is RankState.LOST:
             return []  # a failed join's or a lost rank's late words
+        info.heard += 1
         actions: list[Action[S, C]] = []
         stats = outputs.scheduler_stats
         if stats is not None:

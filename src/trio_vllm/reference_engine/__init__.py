@@ -12,6 +12,8 @@ for the engine's vocabulary (a byte-level ``tokenizer.json``, a ChatML-like chat
 EOS 257), so a text frontend works out of the box: ``open_llm(ReferenceEngines(),
 model=MODEL_DIR)``. ``--model-dir DIR`` makes the engine take its vocabulary size from
 another model's ``config.json`` (the echo model works with any vocabulary).
+`TINY_LLAMA_DIR` is a shipped copy of a small real model directory (tiny-llama, no
+weights) for examples: ``trio-vllm model write DIR`` copies it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ._model import PAD_TOKEN_ID as PAD_TOKEN_ID
 from ._model import UNK_TOKEN_ID as UNK_TOKEN_ID
 from ._model import VOCAB_SIZE as VOCAB_SIZE
 from ._model_dir import MODEL_DIR as MODEL_DIR
+from ._model_dir import TINY_LLAMA_DIR as TINY_LLAMA_DIR
 
 __all__ = [
     "BOS_TOKEN_ID",
@@ -30,6 +33,7 @@ __all__ = [
     "HIDDEN_SIZE",
     "MODEL_DIR",
     "PAD_TOKEN_ID",
+    "TINY_LLAMA_DIR",
     "UNK_TOKEN_ID",
     "VOCAB_SIZE",
     "echo_continuation",

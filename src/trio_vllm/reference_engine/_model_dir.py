@@ -29,10 +29,23 @@ from ._model import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, UNK_TOKEN_ID, VOCA
 if TYPE_CHECKING:
     import os
 
-__all__ = ["CHAT_TEMPLATE", "MODEL_DIR", "SPECIAL_TOKENS", "model_files", "read_model_config"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "MODEL_DIR",
+    "SPECIAL_TOKENS",
+    "TINY_LLAMA_DIR",
+    "model_files",
+    "read_model_config",
+]
 
 MODEL_DIR: str = str(Path(__file__).with_name("trio-vllm-reference"))
 """Path of the shipped model directory (a plain directory inside the installed package)."""
+
+TINY_LLAMA_DIR: str = str(Path(__file__).with_name("tiny-llama"))
+"""Path of a shipped copy of the tiny-llama model directory (no weights): a 512-token BPE
+``tokenizer.json``, a ChatML chat template, EOS ``[2, 4]``, a Llama ``config.json``. Stock
+vLLM serves it with ``--load-format dummy``; the reference engine stands in for it with
+``--model-dir``. ``trio-vllm model write DIR`` copies it (what the docs' examples use)."""
 
 SPECIAL_TOKENS: dict[int, str] = {
     BOS_TOKEN_ID: "<s>",

@@ -73,6 +73,7 @@ class EngineOptions:
     fail_utilities: set[str] = field(default_factory=set)
     output_delay_ms: float = 0.0
     step_interval_ms: float = 0.0
+    step_block_ms: float = 0.0
     oov_fatal: bool = False
     verbose: bool = False
 
@@ -307,6 +308,15 @@ def build_parser() -> argparse.ArgumentParser:
         "a request take at least N*D ms; default 0, as fast as it can)",
     )
     f.add_argument(
+        "--step-block-ms",
+        type=float,
+        default=0.0,
+        metavar="D",
+        help="every model step blocks the engine's loop D ms in Python, reading and "
+        "answering nothing meanwhile (a long GPU step; libzmq still answers heartbeats); "
+        "default 0",
+    )
+    f.add_argument(
         "--oov-fatal",
         action="store_true",
         help="an out-of-vocabulary id in a request (prompt, allowed_token_ids, "
@@ -390,6 +400,7 @@ def parse_options(argv: Sequence[str] | None = None) -> EngineOptions:
         fail_utilities=set(ns.fail_utility),
         output_delay_ms=ns.output_delay_ms,
         step_interval_ms=ns.step_interval_ms,
+        step_block_ms=ns.step_block_ms,
         oov_fatal=ns.oov_fatal,
         verbose=ns.verbose,
     )

@@ -307,6 +307,9 @@ class EngineServer:
             # wait for input instead of spinning on empty steps.
             self.starved = True
             return False
+        if self.options.step_block_ms > 0:
+            # The whole loop waits, as on a long GPU step: no input read, no output.
+            time.sleep(self.options.step_block_ms / 1000)
         self.steps += 1
         self.output.send_step(result, self.utilities.weight_version)
         return True

@@ -84,7 +84,8 @@ def load_engine(opts: EngineOptions, *, include_finished_set: bool) -> Engine:
         # A setup problem, not a crash: one line that says what to install.
         log(
             f"the {opts.model} model needs torch, which is not installed: "
-            "pip install 'trio-vllm[torch]' (or use --model echo)"
+            "pip install torch --index-url https://download.pytorch.org/whl/cpu "
+            "(PyTorch's CPU build; PyPI's torch is the CUDA build) or use --model echo"
         )
         log("EngineCore failed to start.")
         raise EngineExit(1) from None

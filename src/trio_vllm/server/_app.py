@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import secrets
 import time
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 import anyio
 import msgspec
@@ -23,6 +24,7 @@ import sniffio
 from .._exceptions import EngineDeadError, InvalidRequestError
 from .._version import __version__
 from . import _embeddings
+from ._decode import RequestKind, check_json, decode_request, decode_struct
 from ._http import (
     ASGIReceive,
     ASGISend,
@@ -35,6 +37,12 @@ from ._http import (
     send_bytes,
     send_error,
 )
+from ._lora import (
+    LoadLoRAAdapterRequest,
+    LoRAAdapters,
+    UnloadLoRAAdapterRequest,
+    runtime_lora_updating_allowed,
+)
 from ._metrics import ServerMetrics
 from ._openai import (
     DONE,
@@ -46,20 +54,30 @@ from ._openai import (
     plan_completion,
 )
 from ._schemas import (
-    ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
     ModelPermission,
 )
+from ._tokenize import (
+    decode_detokenize_request,
+    decode_tokenize_request,
+    detokenize_response,
+    tokenize_response,
+)
+from ._tools import ToolOptions
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Collection, Sequence
 
     _Endpoint = Callable[[Scope, ASGIReceive, ASGISend], Awaitable[int]]
 
-    from ..text import RequestOutput
-    from ._frontend import TextFrontend
+    from contextlib import AbstractAsyncContextManager
+
+    from ..protocol import SamplingParams
+    from ..text import RequestOutput, TokensPrompt
+    from ._frontend import OutputStreamLike, TextFrontend
+    from ._lora import LoRAModulePath
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "OpenAIServer"]
 
@@ -75,29 +93,21 @@ _SSE_START = {"type": "http.response.start", "status": 200, "headers": _SSE_HEAD
 _NOT_FOUND = b'{"detail":"Not Found"}'
 _NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
 _UNAUTHORIZED = b'{"error":"Unauthorized"}'
-_JSON_CT = b"application/json"
-_FIELDS = {
-    "completion": frozenset(CompletionRequest.__struct_fields__),
-    "chat": frozenset(ChatCompletionRequest.__struct_fields__),
-    "embedding": _embeddings.FIELDS,
-}
-_RAW_KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])
-_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
-    "completion": msgspec.json.Decoder(CompletionRequest, strict=False),
-    "chat": msgspec.json.Decoder(ChatCompletionRequest, strict=False),
-    "embedding": _embeddings.DECODER,
-}
+_LOAD_LORA = msgspec.json.Decoder(LoadLoRAAdapterRequest, strict=False)
+_UNLOAD_LORA = msgspec.json.Decoder(UnloadLoRAAdapterRequest, strict=False)
 
 
 class _Open:
-    """One generation request in flight (the server's registry entry)."""
+    """One generation request in flight (the server's registry entry); ``grace`` is the
+    scope its generation runs in, whose deadline `OpenAIServer.begin_shutdown` sets."""
 
-    __slots__ = ("endpoint", "request_id", "started")
+    __slots__ = ("endpoint", "grace", "request_id", "started")
 
     def __init__(self, endpoint: str, request_id: str, started: float) -> None:
         self.endpoint = endpoint
         self.request_id = request_id
         self.started = started
+        self.grace: anyio.CancelScope | None = None
 
 
 class OpenAIServer:
@@ -116,6 +126,11 @@ class OpenAIServer:
             them, instead of one event per engine output (the default). Fewer, larger
             events: less CPU per request under load, coarser timing for the client. A
             completions request with a list of prompts is merged per prompt either way.
+        supported_tasks: the engines' tasks (``llm.supported_tasks()``): the routes
+            follow them as ``vllm serve``'s do (completions and chat with
+            ``generate``, ``/v1/embeddings`` with ``embed``; the others answer 404).
+        tool_options: ``--enable-auto-tool-choice``, ``--tool-call-parser`` and
+            ``--reasoning-parser`` as `ToolOptions` (default: none of them, as vllm serve).
 
     The app is safe to call concurrently from any number of connections; on trio and
     on asyncio. `mark_dead` (the runner calls it when the engines die) turns
@@ -133,6 +148,9 @@ class OpenAIServer:
         system_fingerprint: str | None = f"trio-vllm-{__version__}",
         merge_outputs: bool = False,
         supported_tasks: Collection[str] = ("generate",),
+        tool_options: ToolOptions | None = None,
+        lora_modules: Sequence[LoRAModulePath] = (),
+        allow_runtime_lora_updating: bool | None = None,
     ) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
@@ -147,15 +165,23 @@ class OpenAIServer:
         self.model_root = model_root
         self.fingerprint = system_fingerprint
         self.merge_outputs = merge_outputs
+        self.tool_options = tool_options if tool_options is not None else ToolOptions()
         self.metrics = ServerMetrics(names[0])
         self.port: int | None = None  # set by the runner once the socket listens
         self._dead = False
+        self._shutdown_deadline = math.inf  # begin_shutdown's: when requests are ended
+        self._shutdown_grace = 0.0
         self._open: dict[int, _Open] = {}
         self._next = 0
         self._created = int(time.time())
         self.supported_tasks = tuple(supported_tasks)
+        self.loras = LoRAAdapters(names)
+        self._static_loras = list(lora_modules)
+        self._lora_lock = anyio.Lock()
         self._routes: dict[str, tuple[str, _Endpoint]] = {
             "/v1/models": ("GET", self._models),
+            "/tokenize": ("POST", self._tokenize),
+            "/detokenize": ("POST", self._detokenize),
             "/health": ("GET", self._health),
             "/ping": ("GET", self._health),
             "/version": ("GET", self._version),
@@ -166,6 +192,15 @@ class OpenAIServer:
             self._routes["/v1/chat/completions"] = ("POST", self._chat)
         if "embed" in self.supported_tasks:
             self._routes["/v1/embeddings"] = ("POST", self._embeddings)
+        if allow_runtime_lora_updating is None:
+            allow_runtime_lora_updating = runtime_lora_updating_allowed()
+        if allow_runtime_lora_updating:
+            logger.warning(
+                "LoRA dynamic loading & unloading is enabled in the API server. "
+                "This should ONLY be used for local development!"
+            )
+            self._routes["/v1/load_lora_adapter"] = ("POST", self._load_lora)
+            self._routes["/v1/unload_lora_adapter"] = ("POST", self._unload_lora)
 
     # ------------------------------------------------------------------ state
 
@@ -177,10 +212,43 @@ class OpenAIServer:
     def mark_dead(self) -> None:
         self._dead = True
 
+    def begin_shutdown(self, grace: float) -> None:
+        """Give the generation requests in flight, and any that still arrive, ``grace``
+        more seconds (the runner calls it on SIGTERM, with the HTTP server's drain).
+
+        A request still generating then is cancelled (its engine requests aborted) and
+        answered: a stream ends with an error event (503 ``ServiceUnavailableError``)
+        and ``data: [DONE]``, a non-streaming request gets that 503; each is logged at
+        WARNING. Calling it again only ever brings the deadline closer. Call it from the
+        app's event loop.
+        """
+        deadline = min(self._shutdown_deadline, anyio.current_time() + grace)
+        self._shutdown_deadline = deadline
+        self._shutdown_grace = grace
+        for entry in self._open.values():
+            if entry.grace is not None:
+                entry.grace.deadline = deadline
+
     @property
     def open_requests(self) -> list[str]:
         """Request ids of the generation requests in flight (the server's registry)."""
         return [o.request_id for o in self._open.values()]
+
+    async def load_static_loras(self) -> None:
+        """Load the ``lora_modules`` on the engines, in order (vLLM's
+        ``init_static_loras``). Raises ``ValueError`` with the first failure's message.
+        Cancellation: the adapters loaded so far stay served."""
+        for module in self._static_loras:
+            request = LoadLoRAAdapterRequest(
+                lora_name=module.name,
+                lora_path=module.path,
+                is_3d_lora_weight=module.is_3d_lora_weight,
+            )
+            async with self._lora_lock:
+                try:
+                    await self.loras.load(self.llm.client, request, module.base_model_name)
+                except HTTPError as exc:
+                    raise ValueError(exc.message) from None
 
     # ------------------------------------------------------------------ ASGI
 
@@ -204,7 +272,21 @@ class OpenAIServer:
     async def _http(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> None:
         path: str = scope["path"]
         route = self._routes.get(path)
+        # vLLM's authentication middleware runs before routing: with a key, any /v1 path
+        # (one it does not serve included) answers 401 to a request without the key;
+        # OPTIONS passes, as there.
+        if (
+            self._key_hashes
+            and path.startswith(_GUARDED_PREFIX)
+            and scope["method"] != "OPTIONS"
+            and not self._authorized(scope)
+        ):
+            await send_bytes(send, 401, _UNAUTHORIZED)
+            self.metrics.http_response(path if route is not None else "other", 401)
+            return
         if route is None:
+            # What `vllm serve` answers for an endpoint of its API the model lacks
+            # (embeddings, pooling, score, ... on a generative model): FastAPI's 404.
             await send_bytes(send, 404, _NOT_FOUND)
             self.metrics.http_response("other", 404)
             return
@@ -212,10 +294,6 @@ class OpenAIServer:
         if scope["method"] != method:
             await send_bytes(send, 405, _NOT_ALLOWED)
             self.metrics.http_response(path, 405)
-            return
-        if self._key_hashes and path.startswith(_GUARDED_PREFIX) and not self._authorized(scope):
-            await send_bytes(send, 401, _UNAUTHORIZED)
-            self.metrics.http_response(path, 401)
             return
         status = await handler(scope, receive, send)
         if status:
@@ -263,12 +341,96 @@ class OpenAIServer:
             )
             for name in self.model_names
         ]
+        cards.extend(
+            ModelCard(
+                id=lora.lora_name,
+                object="model",
+                created=self._created,
+                owned_by="vllm",
+                root=lora.lora_path,
+                parent=lora.base_model_name or self.model_names[0],
+                max_model_len=None,
+                permission=[
+                    ModelPermission(
+                        f"modelperm-{secrets.token_hex(16)}", "model_permission", self._created
+                    )
+                ],
+            )
+            for lora in self.loras.requests.values()
+        )
         await send_bytes(send, 200, encode(ModelList("list", cards)))
         return 200
 
     async def _metrics(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
         body, content_type = self.metrics.render()
         await send_bytes(send, 200, body, [(b"content-type", content_type.encode())])
+        return 200
+
+    # ------------------------------------------------------------------ LoRA
+
+    async def _load_lora(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        return await self._lora_call(scope, receive, send, load=True)
+
+    async def _unload_lora(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        return await self._lora_call(scope, receive, send, load=False)
+
+    async def _lora_call(
+        self, scope: Scope, receive: ASGIReceive, send: ASGISend, *, load: bool
+    ) -> int:
+        """``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``: vLLM's plain-text
+        success answer, its JSON errors. One load or unload at a time (vLLM locks per
+        name; one lock is simpler and these are rare)."""
+        try:
+            body = await read_body(scope, receive, self.max_body_bytes)
+        except ClientDisconnected:
+            return 0
+        try:
+            check_json(header(scope, b"content-type"))
+            req: LoadLoRAAdapterRequest | UnloadLoRAAdapterRequest = (
+                decode_struct(_LOAD_LORA, body) if load else decode_struct(_UNLOAD_LORA, body)
+            )
+            async with self._lora_lock:
+                if isinstance(req, LoadLoRAAdapterRequest):
+                    text = await self.loras.load(self.llm.client, req)
+                else:
+                    text = self.loras.unload(req)
+        except HTTPError as exc:
+            await send_error(send, exc)
+            return exc.status
+        await send_bytes(send, 200, text.encode(), [])
+        return 200
+
+    # ------------------------------------------------------------------ tokenizer
+
+    async def _tokenize(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        return await self._tokenizer_call(scope, receive, send, detokenize=False)
+
+    async def _detokenize(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        return await self._tokenizer_call(scope, receive, send, detokenize=True)
+
+    async def _tokenizer_call(
+        self, scope: Scope, receive: ASGIReceive, send: ASGISend, *, detokenize: bool
+    ) -> int:
+        """``/tokenize`` or ``/detokenize``: the text layer's answer, no engine call."""
+        try:
+            body = await read_body(scope, receive, self.max_body_bytes)
+        except ClientDisconnected:
+            return 0
+        try:
+            check_json(header(scope, b"content-type"))
+            answer: object
+            if detokenize:
+                dreq = decode_detokenize_request(body)
+                self._check_model(dreq.model)
+                answer = detokenize_response(self.llm, dreq)
+            else:
+                treq = decode_tokenize_request(body)
+                self._check_model(treq.model)
+                answer = tokenize_response(self.llm, treq)
+        except HTTPError as exc:
+            await send_error(send, exc)
+            return exc.status
+        await send_bytes(send, 200, encode(answer))
         return 200
 
     # ------------------------------------------------------------------ generation
@@ -279,46 +441,8 @@ class OpenAIServer:
     async def _chat(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
         return await self._generation("chat", scope, receive, send)
 
-    def _decode(self, kind: str, scope: Scope, body: bytes) -> tuple[Any, dict[str, object]]:
-        content_type = header(scope, b"content-type") or b""
-        if content_type.split(b";", 1)[0].strip().lower() != _JSON_CT:
-            raise HTTPError(
-                "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
-                err_type="Bad Request",
-            )
-        try:
-            raw = _RAW_KEYS.decode(body)
-        except msgspec.ValidationError:
-            raise HTTPError(
-                "1 validation error:\n  Input should be a valid dictionary or object",
-                err_type="Bad Request",
-            ) from None
-        except msgspec.DecodeError as exc:
-            raise HTTPError(
-                f"1 validation error:\n  JSON decode error: {exc}", err_type="Bad Request"
-            ) from None
-        try:
-            req = _DECODERS[kind].decode(body)
-        except msgspec.ValidationError as exc:
-            message = str(exc)
-            param = None
-            if "`$." in message:
-                param = message.rsplit("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0]
-            raise HTTPError(
-                f"1 validation error:\n  {message}", err_type="Bad Request", param=param
-            ) from None
-        unknown = raw.keys() - _FIELDS[kind]
-        extra: dict[str, object] = {}
-        if unknown:
-            logger.warning(
-                "The following fields were present in the request but ignored: %s",
-                sorted(unknown),
-            )
-            extra = {k: msgspec.json.decode(raw[k]) for k in unknown}
-        return req, extra
-
     async def _generation(
-        self, kind: str, scope: Scope, receive: ASGIReceive, send: ASGISend
+        self, kind: RequestKind, scope: Scope, receive: ASGIReceive, send: ASGISend
     ) -> int:
         received = time.perf_counter()
         try:
@@ -329,7 +453,7 @@ class OpenAIServer:
             await send_error(send, exc)
             return exc.status
         try:
-            req, extra = self._decode(kind, scope, body)
+            req, extra = decode_request(kind, header(scope, b"content-type"), body)
             model = self._check_model(req.model)
             if self.dead:
                 raise _dead_error()
@@ -337,15 +461,22 @@ class OpenAIServer:
             rid = header_id.decode("latin-1") if header_id is not None else None
             plan = (
                 plan_completion(req, self.llm, model=model, header_request_id=rid, extra=extra)
-                if kind == "completion"
-                else plan_chat(req, self.llm, model=model, header_request_id=rid, extra=extra)
+                if isinstance(req, CompletionRequest)
+                else plan_chat(
+                    req,
+                    self.llm,
+                    model=model,
+                    header_request_id=rid,
+                    extra=extra,
+                    tool_options=self.tool_options,
+                )
             )
         except HTTPError as exc:
             await send_error(send, exc)
             return exc.status
         key = self._next
         self._next += 1
-        self._open[key] = _Open(kind, plan.request_id, received)
+        entry = self._open[key] = _Open(kind, plan.request_id, received)
         self.metrics.request_started()
         outcome = _Outcome()
         try:
@@ -357,14 +488,14 @@ class OpenAIServer:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, outcome)
                     try:
-                        await self._run(kind, plan, send, received, outcome)
+                        await self._run_in_grace(entry, kind, plan, send, received, outcome)
                     finally:
                         nursery.cancel_scope.cancel()
             else:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, outcome)
                     try:
-                        await self._run(kind, plan, send, received, outcome)
+                        await self._run_in_grace(entry, kind, plan, send, received, outcome)
                     finally:
                         tg.cancel_scope.cancel()
             return outcome.status  # 0 after a disconnect: nobody to answer
@@ -373,6 +504,8 @@ class OpenAIServer:
             self.metrics.request_ended()
 
     async def _embeddings(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        """``/v1/embeddings``: the body through the one decode path, every prompt checked
+        before any is sent; a disconnect aborts the requests (nothing answered)."""
         try:
             body = await read_body(scope, receive, self.max_body_bytes)
         except ClientDisconnected:
@@ -382,8 +515,9 @@ class OpenAIServer:
             return exc.status
         outcome = _Outcome()
         try:
-            req, _ = self._decode("embedding", scope, body)
-            if req.model and req.model not in self._name_set:
+            req = _embeddings.decode_embedding_request(header(scope, b"content-type"), body)
+            lora = self.loras.get(req.model)
+            if req.model and req.model not in self._name_set and lora is None:
                 raise HTTPError(
                     f"The model `{req.model}` does not exist.", 404, err_type="NotFoundError"
                 )
@@ -396,13 +530,21 @@ class OpenAIServer:
                 tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, outcome)
                 try:
                     outputs = await frontend.embed(
-                        prompts, pooling_params=_embeddings.pooling_params(req)
+                        prompts,
+                        pooling_params=_embeddings.pooling_params(req),
+                        lora_request=lora,
                     )
                 finally:
                     tg.cancel_scope.cancel()
             if outputs is None:
                 return 0  # the client went away: its requests were aborted
-            payload = _embeddings.embedding_response(req, outputs, self.model_names[0])
+            header_id = header(scope, b"x-request-id")
+            payload = _embeddings.embedding_response(
+                req,
+                outputs,
+                self.model_names[0] if lora is None else lora.lora_name,
+                header_request_id=None if header_id is None else header_id.decode("latin-1"),
+            )
         except BaseExceptionGroup as group:
             error = _as_http_error(_first_error(group))
             await send_error(send, error)
@@ -418,14 +560,42 @@ class OpenAIServer:
         return 200
 
     def _check_model(self, model: str | None) -> str:
+        """The name responses carry: the first served name, or a LoRA adapter's."""
         if not model or model in self._name_set:
             return self.model_names[0]
+        if model in self.loras.requests:
+            return model
         raise HTTPError(
             f"The model `{model}` does not exist. Valid aliases: {', '.join(self.model_names)}.",
             404,
             err_type="NotFoundError",
             param="model",
         )
+
+    async def _run_in_grace(
+        self,
+        entry: _Open,
+        kind: str,
+        plan: GenerationPlan,
+        send: ASGISend,
+        received: float,
+        outcome: _Outcome,
+    ) -> None:
+        """`_run` within the shutdown grace: past `begin_shutdown`'s deadline the
+        generation is cancelled (its requests aborted) and the client told so, instead
+        of the connection being cut when the HTTP server's own drain ends."""
+        with anyio.CancelScope(deadline=self._shutdown_deadline) as grace:
+            entry.grace = grace
+            await self._run(kind, plan, send, received, outcome)
+        if grace.cancelled_caught and not outcome.complete:
+            logger.warning(
+                "%s request %s outlived the shutdown grace period (%g s): ended with %s",
+                kind,
+                plan.request_id,
+                self._shutdown_grace,
+                "an error event and [DONE]" if outcome.started else "HTTP 503",
+            )
+            await _send_failure(send, _shutdown_error(self._shutdown_grace), outcome)
 
     async def _run(
         self, kind: str, plan: GenerationPlan, send: ASGISend, received: float, outcome: _Outcome
@@ -441,8 +611,8 @@ class OpenAIServer:
         last = b""  # the final output's events: they go out with the tail, one send fewer
         try:
             if len(plan.prompts) == 1:  # the common case, without the stack and the pumps
-                async with self.llm.generate(
-                    plan.prompts[0], plan.params[0], request_id=plan.engine_ids[0]
+                async with self._generate(
+                    plan.prompts[0], plan.params[0], plan.engine_ids[0], plan.model
                 ) as stream:
                     if plan.stream:
                         await send(_SSE_START)
@@ -482,6 +652,15 @@ class OpenAIServer:
         else:
             await send_bytes(send, 200, tail)
 
+    def _generate(
+        self, prompt: TokensPrompt, params: SamplingParams, engine_id: str, model: str
+    ) -> AbstractAsyncContextManager[OutputStreamLike]:
+        """The frontend's ``generate``, with the adapter ``model`` names (if any)."""
+        lora = self.loras.get(model)
+        if lora is None:  # keyword left off: frontends without LoRA need not take it
+            return self.llm.generate(prompt, params, request_id=engine_id)
+        return self.llm.generate(prompt, params, request_id=engine_id, lora_request=lora)
+
     async def _run_batch(
         self,
         plan: GenerationPlan,
@@ -495,7 +674,7 @@ class OpenAIServer:
         async with AsyncExitStack() as stack:
             streams = [
                 await stack.enter_async_context(
-                    self.llm.generate(prompt, params, request_id=engine_id)
+                    self._generate(prompt, params, engine_id, plan.model)
                 )
                 for prompt, params, engine_id in zip(
                     plan.prompts, plan.params, plan.engine_ids, strict=True
@@ -633,6 +812,15 @@ def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
 def _dead_error() -> HTTPError:
     return HTTPError(
         "The engine is dead; this server no longer serves requests.",
+        503,
+        err_type="ServiceUnavailableError",
+    )
+
+
+def _shutdown_error(grace: float) -> HTTPError:
+    return HTTPError(
+        f"The server is shutting down: the request outlived the shutdown grace period "
+        f"({grace:g} s).",
         503,
         err_type="ServiceUnavailableError",
     )

@@ -21,26 +21,40 @@ import msgspec
 import numpy as np
 
 from ..protocol import PoolingParams
+from ._decode import decode_body
 from ._http import HTTPError
+from ._schemas import DECLARED_FIELDS
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from ..protocol import LoRARequest
     from ..text import EmbeddingRequestOutput, Prompt
 
-__all__ = ["EmbeddingFrontend", "EmbeddingRequest", "embedding_response", "plan_embedding"]
+__all__ = [
+    "EmbeddingFrontend",
+    "EmbeddingRequest",
+    "decode_embedding_request",
+    "embedding_response",
+    "plan_embedding",
+]
 
 
 class EmbeddingFrontend(Protocol):
     """What the endpoint needs of the text frontend (``trio_vllm.llm.LLM``)."""
 
     async def embed(
-        self, prompts: Prompt | Sequence[Prompt], *, pooling_params: PoolingParams | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[EmbeddingRequestOutput]: ...
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
-    """The body of ``POST /v1/embeddings`` (vLLM's ``EmbeddingCompletionRequest``)."""
+    """The body of ``POST /v1/embeddings``: vLLM 0.32.0's ``EmbeddingCompletionRequest``,
+    every field (`DECLARED_FIELDS` ``["embedding"]`` says which are refused)."""
 
     input: Any = msgspec.UNSET
     model: str | None = None
@@ -49,12 +63,38 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     use_activation: bool | None = None
     add_special_tokens: bool = True
-    embed_dtype: Literal["float32"] = "float32"
-    endianness: Literal["native", "little"] = "native"
+    embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"
+    endianness: Literal["native", "big", "little"] = "native"
+    request_id: str | None = None
+    padding: Literal["max_length", "do_not_pad"] | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    priority: int = 0
+    mm_processor_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = None
 
 
 FIELDS: Final = frozenset(EmbeddingRequest.__struct_fields__)
+# strict=False: pydantic's lax mode (vLLM's), e.g. "2" for an int field.
 DECODER: Final = msgspec.json.Decoder(EmbeddingRequest, strict=False)
+# (field, default) for every refused field: any other value is a 400 naming it.
+_REFUSED: Final = tuple(
+    (f.name, f.default)
+    for f in msgspec.structs.fields(EmbeddingRequest)
+    if DECLARED_FIELDS["embedding"][f.name] == "refused"
+)
+_ENDIAN: Final = {"native": "=", "little": "<", "big": ">"}
+
+
+def decode_embedding_request(content_type: bytes | None, body: bytes) -> EmbeddingRequest:
+    """The body through the server's one decode path (`decode_body`): `HTTPError` 400 in
+    vLLM's shape for every malformed body, and 400 naming a refused field set to
+    anything but its default. Unknown keys are logged as ignored, as vLLM's are."""
+    req, _ = decode_body(DECODER, FIELDS, content_type, body)
+    for name, default in _REFUSED:
+        if getattr(req, name) != default:
+            raise HTTPError(f"`{name}` is not supported by trio-vllm serve.", param=name)
+    return req
 
 
 class _Usage(msgspec.Struct):
@@ -140,20 +180,29 @@ def pooling_params(req: EmbeddingRequest) -> PoolingParams:
 
 
 def embedding_response(
-    req: EmbeddingRequest, outputs: Sequence[EmbeddingRequestOutput], model: str
+    req: EmbeddingRequest,
+    outputs: Sequence[EmbeddingRequestOutput],
+    model: str,
+    *,
+    header_request_id: str | None = None,
 ) -> bytes:
-    """The JSON answer: one item per output, in order; ``usage`` counts prompt tokens."""
+    """The JSON answer: one item per output, in order; ``usage`` counts prompt tokens;
+    ``id`` is ``embd-`` and the ``X-Request-Id`` header, else the body's ``request_id``,
+    else a random id (vLLM's ``_base_request_id``)."""
     items: list[_Item] = []
     tokens = 0
     for index, out in enumerate(outputs):
         tokens += len(out.prompt_token_ids)
         vector: list[float] | str = out.outputs.embedding
         if req.encoding_format == "base64":
-            data = np.asarray(vector, dtype="<f4").tobytes()
+            data = np.asarray(vector, dtype=_ENDIAN[req.endianness] + "f4").tobytes()
             vector = base64.b64encode(data).decode("ascii")
         items.append(_Item(index, "embedding", vector))
+    base_id = header_request_id if header_request_id is not None else req.request_id
+    if base_id is None:
+        base_id = secrets.token_hex(16)  # vLLM's random_uuid: 32 hex digits
     response = _Response(
-        f"embd-{secrets.token_hex(8)}",
+        f"embd-{base_id}",
         "list",
         int(time.time()),
         model,

@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Mapping, Sequence
+    from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
     from contextlib import AbstractAsyncContextManager
 
     from .._exceptions import EngineDeadError
-    from ..protocol import SamplingParams
+    from ..protocol import LoRARequest, SamplingParams
     from ..text import ChatMessage, Prompt, RequestOutput, SamplingDefaults
 
 __all__ = ["EngineClientLike", "OutputStreamLike", "TextFrontend", "TokenizerLike"]
@@ -24,6 +24,8 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
+    def token_to_id(self, token: str) -> int | None: ...
+
     @property
     def vocab_size(self) -> int: ...
 
@@ -33,6 +35,8 @@ class EngineClientLike(Protocol):
     def live_requests(self) -> list[str]: ...
 
     async def wait_dead(self) -> EngineDeadError: ...
+
+    def add_lora(self, lora_request: LoRARequest) -> Awaitable[bool]: ...
 
 
 class OutputStreamLike(Protocol):
@@ -73,6 +77,7 @@ class TextFrontend(Protocol):
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AbstractAsyncContextManager[OutputStreamLike]: ...
 
     def render_chat(
@@ -82,4 +87,5 @@ class TextFrontend(Protocol):
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> tuple[str, list[int]]: ...

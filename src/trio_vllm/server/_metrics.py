@@ -8,8 +8,9 @@ endpoint and status. ``prometheus_client`` is imported when an app is built, nev
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_left
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -49,11 +50,16 @@ class ServerMetrics:
             ["endpoint", "status"],
             registry=r,
         )
+        # Several API servers (trio-vllm serve --api-server-count N) write their values
+        # to PROMETHEUS_MULTIPROC_DIR, and /metrics in each of them shows the sums, as
+        # vllm serve's multiprocess metrics do.
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self._running = Gauge(
             "vllm:num_requests_running",
             "Generation requests in flight in this server.",
             ["model_name"],
             registry=r,
+            multiprocess_mode="livesum",
         ).labels(**labels)
         self._prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prompt tokens processed.", ["model_name"], registry=r
@@ -74,13 +80,26 @@ class ServerMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         ).labels(**labels)
-        self._itl = _CountsHistogram(
-            "vllm:inter_token_latency_seconds",
-            "Time between consecutive outputs of a request.",
-            model_name,
-            _ITL_BUCKETS,
-        )
-        r.register(self._itl)
+        self._itl: _CountsHistogram | _RepeatedHistogram
+        if self.multiprocess:  # values in the shared files, not in this process
+            self._itl = _RepeatedHistogram(
+                Histogram(
+                    "vllm:inter_token_latency_seconds",
+                    "Time between consecutive outputs of a request.",
+                    ["model_name"],
+                    buckets=_ITL_BUCKETS,
+                    registry=r,
+                ).labels(**labels)
+            )
+        else:
+            counts = _CountsHistogram(
+                "vllm:inter_token_latency_seconds",
+                "Time between consecutive outputs of a request.",
+                model_name,
+                _ITL_BUCKETS,
+            )
+            r.register(counts)
+            self._itl = counts
         self._e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "Time from receiving the request to its last output.",
@@ -114,9 +133,26 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+        if self.multiprocess:
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged)  # type: ignore[no-untyped-call]  # all servers, summed
+            return generate_latest(merged), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _RepeatedHistogram:
+    """``observe(seconds, count)`` on a prometheus_client histogram (multiprocess mode)."""
+
+    def __init__(self, histogram: Any) -> None:
+        self.histogram = histogram
+
+    def observe(self, seconds: float, count: int = 1) -> None:
+        for _ in range(count):
+            self.histogram.observe(seconds)
 
 
 class _CountsHistogram:

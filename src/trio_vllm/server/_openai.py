@@ -16,7 +16,9 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from ..protocol import RequestOutputKind, SamplingParams
+import msgspec
+
+from ..protocol import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from ..protocol.rules import (
     CHAT,
     COMPLETION,
@@ -30,6 +32,7 @@ from ..protocol.rules import (
 )
 from ._http import HTTPError, encode
 from ._schemas import (
+    DECLARED_FIELDS,
     INT64_MAX,
     INT64_MIN,
     MAX_COMPLETION_PROMPTS,
@@ -51,8 +54,18 @@ from ._schemas import (
     CompletionResponseChoice,
     CompletionStreamChoice,
     CompletionStreamResponse,
+    PromptLogprob,
     StreamUsage,
     UsageInfo,
+)
+from ._structured import structured_outputs_for
+from ._tools import (
+    ChoiceParsers,
+    ToolOptions,
+    check_tools,
+    delta_fields,
+    skip_special_tokens,
+    tool_choice_of,
 )
 
 if TYPE_CHECKING:
@@ -61,6 +74,7 @@ if TYPE_CHECKING:
     from ..protocol.rules import Violation
     from ..text import CompletionOutput, Logprob, RequestOutput, SamplingDefaults, TokensPrompt
     from ._frontend import TextFrontend, TokenizerLike
+    from ._schemas import PromptLogprobsJSON
 
 __all__ = [
     "ChatResponder",
@@ -94,6 +108,8 @@ class GenerationPlan:
         "model",
         "n",
         "params",
+        "parsers",
+        "prompt_logprobs",
         "prompts",
         "request_id",
         "return_token_ids",
@@ -118,6 +134,8 @@ class GenerationPlan:
         echo_texts: list[str] | None = None,
         echo_only: bool = False,
         role: str = "assistant",
+        parsers: ChoiceParsers | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.created = int(time.time())
@@ -134,6 +152,9 @@ class GenerationPlan:
         self.echo_texts = echo_texts
         self.echo_only = echo_only  # echo with max_tokens=0: the prompt is the answer
         self.role = role
+        # Chat with --tool-call-parser/--reasoning-parser: the choices' parsers.
+        self.parsers = parsers
+        self.prompt_logprobs = prompt_logprobs  # asked for: the response carries them
 
 
 # ----------------------------------------------------------------------------- planning
@@ -158,12 +179,35 @@ def _limits(max_model_len: int) -> Limits:
     return Limits(max_model_len=max_model_len)
 
 
+# Refused declared fields whose refusal has its own check (and message) below.
+_OWN_REFUSALS = frozenset(
+    {"use_beam_search", "suffix", "tools", "tool_choice", "continue_final_message"}
+)
+# Per endpoint: (field, its default) for every refused field without an own check.
+_GENERIC_REFUSALS = {
+    kind: tuple(
+        (f.name, f.default)
+        for f in msgspec.structs.fields(struct)
+        if DECLARED_FIELDS[kind][f.name] == "refused" and f.name not in _OWN_REFUSALS
+    )
+    for kind, struct in (("completion", CompletionRequest), ("chat", ChatCompletionRequest))
+}
+
+
+def _not_supported(name: str) -> HTTPError:
+    return HTTPError(f"`{name}` is not supported by trio-vllm serve.", param=name)
+
+
 def _common_checks(
     req: CompletionRequest | ChatCompletionRequest, extra: Mapping[str, object], limits: Limits
 ) -> None:
-    for name, default in UNSUPPORTED_FIELDS.items():
-        if extra.get(name, default) != default:
-            raise HTTPError(f"`{name}` is not supported by trio-vllm serve.", param=name)
+    for name, accepted in UNSUPPORTED_FIELDS.items():
+        if name in extra and extra[name] not in accepted:
+            raise _not_supported(name)
+    kind = "completion" if isinstance(req, CompletionRequest) else "chat"
+    for name, default in _GENERIC_REFUSALS[kind]:
+        if getattr(req, name) != default:
+            raise _not_supported(name)
     if req.use_beam_search:
         raise HTTPError("Beam search is not supported by trio-vllm serve.", param="use_beam_search")
     _refuse(OPENAI.check(req, limits))
@@ -191,6 +235,8 @@ def _sampling_params(
     n: int,
     max_tokens: int,
     logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     # vLLM's to_sampling_params: the request's value, else the model's default (its
     # generation config), else the OpenAI default.
@@ -218,6 +264,7 @@ def _sampling_params(
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
@@ -225,6 +272,7 @@ def _sampling_params(
         logit_bias=logit_bias,
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words or None,
+        structured_outputs=structured_outputs,
         skip_clone=True,  # built for this request only (vLLM's OpenAI layer does the same)
     )
     # vLLM's to_sampling_params makes a SamplingParams, which checks its values; the
@@ -252,6 +300,7 @@ def plan_completion(
     """Check a completion request and tokenize its prompt(s); `HTTPError` if bad."""
     limits = _limits(llm.max_model_len)
     _common_checks(req, extra, limits)
+    structured = structured_outputs_for(req.response_format, req.structured_outputs, chat=False)
     _refuse(COMPLETION.check(req, limits))
     prompt = req.prompt
     assert prompt is not None  # COMPLETION's rule
@@ -276,6 +325,8 @@ def plan_completion(
             f"{MAX_COMPLETION_PROMPTS}.",
             param="prompt",
         )
+    if req.suffix is not None:
+        _refuse_suffix(req)
     if req.echo and req.logprobs is not None:
         raise HTTPError(
             "`echo` with `logprobs` needs prompt logprobs, which trio-vllm serve does not support.",
@@ -314,6 +365,8 @@ def plan_completion(
                 n=req.n,
                 max_tokens=1 if echo_only else max_tokens,
                 logprobs=req.logprobs,
+                prompt_logprobs=req.prompt_logprobs,
+                structured_outputs=structured,
             )
         )
         echo_texts.append(text)
@@ -333,6 +386,28 @@ def plan_completion(
         return_token_ids=bool(req.return_token_ids),
         echo_texts=echo_texts if req.echo else None,
         echo_only=echo_only,
+        prompt_logprobs=req.prompt_logprobs,
+    )
+
+
+def _refuse_suffix(req: CompletionRequest) -> None:
+    """vLLM 0.32.0's answer to ``suffix`` (``OnlineRenderer``): its checks in its order.
+
+    Only a renderer with fill-in-the-middle support (DeepSeek V4's) takes a suffix; the
+    server renders prompts with the model directory's tokenizer alone, which has none,
+    so every request with a suffix (even ``""``) is refused as vLLM refuses it there.
+    """
+    if req.echo:
+        raise HTTPError("Echo is unsupported with suffix.", param="suffix")
+    prompt = req.prompt
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and all(isinstance(p, str) for p in prompt)
+    ):
+        raise HTTPError(
+            "suffix is only supported for models with FIM completion rendering", param="suffix"
+        )
+    raise HTTPError(
+        "suffix requires text prompt input for FIM completion rendering", param="suffix"
     )
 
 
@@ -343,17 +418,19 @@ def plan_chat(
     model: str,
     header_request_id: str | None,
     extra: Mapping[str, object],
+    tool_options: ToolOptions = ToolOptions(),  # noqa: B008 - frozen, immutable
 ) -> GenerationPlan:
     """Check a chat request and render its messages; `HTTPError` if bad."""
     n = 1 if req.n is None else req.n
     limits = _limits(llm.max_model_len)
     _common_checks(req, extra, limits)
+    structured = structured_outputs_for(
+        req.response_format, req.structured_outputs, chat=True, tool_choice=req.tool_choice
+    )
     _refuse(CHAT.check(req, limits))
     top = 0 if req.top_logprobs is None else req.top_logprobs
-    if req.tools == []:
-        raise HTTPError("`tools` must not be an empty array.", param="tools")
-    if req.tools or (req.tool_choice not in (None, "none")):
-        raise HTTPError("Tool calling is not supported by trio-vllm serve.", param="tools")
+    check_tools(req, tool_options)
+    tool_choice = tool_choice_of(req)
     if req.continue_final_message:
         raise HTTPError(
             "`continue_final_message` is not supported by trio-vllm serve.",
@@ -375,13 +452,18 @@ def plan_chat(
             add_generation_prompt=req.add_generation_prompt,
             chat_template=req.chat_template,
             chat_template_kwargs=req.chat_template_kwargs,
+            tools=req.tools,
         )
     except ValueError as exc:  # InvalidRequestError included
         raise HTTPError(str(exc)) from None
     except Exception as exc:
+        # Rendering runs a template over the request's own values (and, with
+        # ``chat_template``, the request's own template): whatever it raises (a jinja
+        # TemplateError, 1/0, a sandbox limit, a filter given the wrong type) is the
+        # request's fault, so a 400 naming it, never a 500 with a traceback.
         if any(cls.__name__ == "TemplateError" for cls in type(exc).__mro__):
             raise HTTPError(f"chat template error: {exc}") from None
-        raise
+        raise HTTPError(f"chat template error: {type(exc).__name__}: {exc}") from None
     if req.add_special_tokens:
         ids = llm.tokenizer.encode(text, add_special_tokens=True)
     _check_prompt_len(limits, len(ids))
@@ -389,7 +471,25 @@ def plan_chat(
     defaults = llm.sampling_defaults
     max_tokens = defaults.max_tokens(requested, max_model_len - len(ids))
     logprobs = top if req.logprobs else None
-    params = _sampling_params(req, defaults, n=n, max_tokens=max_tokens, logprobs=logprobs)
+    # vLLM's to_sampling_params: an echo without prompt_logprobs asks for top_logprobs
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo:
+        prompt_logprobs = req.top_logprobs
+    params = _sampling_params(
+        req,
+        defaults,
+        n=n,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        structured_outputs=structured,
+    )
+    parsers = None
+    if tool_options.has_parser:
+        skip = skip_special_tokens(req, tool_options, tool_choice)
+        if skip != params.skip_special_tokens:
+            params = msgspec.structs.replace(params, skip_special_tokens=skip)
+        parsers = ChoiceParsers(req, tool_options, llm.tokenizer, n, tool_choice)
     request_id = f"chatcmpl-{base_request_id(header_request_id, req.request_id)}"
     include_usage, continuous = _usage_flags(req)
     role = "assistant" if req.add_generation_prompt else str(req.messages[-1]["role"])
@@ -419,6 +519,8 @@ def plan_chat(
         return_token_ids=bool(req.return_token_ids),
         echo_texts=echo,
         role=role,
+        parsers=parsers,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -524,6 +626,25 @@ def chat_logprobs(
     return ChatCompletionLogProbs(content)
 
 
+def prompt_logprobs_json(
+    positions: Sequence[Mapping[int, Logprob] | None],
+) -> PromptLogprobsJSON:
+    """vLLM's ``clamp_prompt_logprobs`` (``-inf`` becomes -9999.0, nothing else changes)
+    and its JSON shape: ``null`` or ``{token id: {logprob, rank, decoded_token}}``."""
+    inf = float("-inf")
+    return [
+        None
+        if pos is None
+        else {
+            tid: PromptLogprob(
+                _LOGPROB_FLOOR if lp.logprob == inf else lp.logprob, lp.rank, lp.decoded_token
+            )
+            for tid, lp in pos.items()
+        }
+        for pos in positions
+    ]
+
+
 class GenerationError(Exception):
     """A completion finished with ``finish_reason="error"`` (vLLM: HTTP 500)."""
 
@@ -568,11 +689,26 @@ class _Responder:
             and plan.logprobs is None
             and not plan.return_token_ids
             and not plan.continuous_usage
+            and plan.parsers is None
         )
         self._templates: dict[int, tuple[bytes, bytes] | None] = {}
+        # (prompt, child) -> the prompt logprobs its outputs brought (non-streaming
+        # responses carry them; with n > 1 each child brings the same, the first is kept)
+        self._prompt_lps: dict[tuple[int, int], list[Mapping[int, Logprob] | None]] = {}
 
     def on_output(self, prompt_idx: int, res: RequestOutput) -> bytes:
         raise NotImplementedError
+
+    def _keep_prompt_logprobs(self, prompt_idx: int, res: RequestOutput) -> None:
+        if res.prompt_logprobs:
+            child = res.outputs[0].index if res.outputs else 0
+            self._prompt_lps.setdefault((prompt_idx, child), []).extend(res.prompt_logprobs)
+
+    def _prompt_logprobs(self, prompt_idx: int) -> PromptLogprobsJSON | None:
+        if self.plan.prompt_logprobs is None:
+            return None
+        keys = sorted(k for k in self._prompt_lps if k[0] == prompt_idx)
+        return prompt_logprobs_json(self._prompt_lps[keys[0]] if keys else [])
 
     def on_outputs(self, prompt_idx: int, outs: Sequence[RequestOutput]) -> bytes:
         """`on_output` of each output in turn: their SSE events, concatenated."""
@@ -605,6 +741,8 @@ class CompletionResponder(_Responder):
         """Record one DELTA output; the SSE events to send for it (streaming), else b""."""
         plan = self.plan
         events: list[bytes] = []
+        if plan.prompt_logprobs is not None and not plan.stream:
+            self._keep_prompt_logprobs(prompt_idx, res)
         for out in res.outputs:
             if out.finish_reason == "error":
                 raise GenerationError("Internal server error")
@@ -730,7 +868,7 @@ class CompletionResponder(_Responder):
                     c.finish_reason,
                     c.stop_reason,
                     list(c.token_ids) if plan.return_token_ids else None,
-                    None,
+                    self._prompt_logprobs(prompt_idx),
                     pids if plan.return_token_ids else None,
                 )
             )
@@ -764,6 +902,8 @@ class ChatResponder(_Responder):
     def on_output(self, prompt_idx: int, res: RequestOutput) -> bytes:
         plan = self.plan
         events: list[bytes] = []
+        if plan.prompt_logprobs is not None and not plan.stream:
+            self._keep_prompt_logprobs(prompt_idx, res)
         if plan.stream and self._first:
             self._first = False
             for i in range(plan.n):
@@ -818,15 +958,34 @@ class ChatResponder(_Responder):
                 continue
             choice.add(out, False)
             token_ids = list(out.token_ids) if plan.return_token_ids else None
-            delta = ChatDelta(content=out.text)
-            if out.finish_reason is None:
+            finish_reason = out.finish_reason
+            if plan.parsers is None:
+                delta = ChatDelta(content=out.text)
+            else:
+                message = plan.parsers.delta(
+                    i,
+                    out.text,
+                    list(out.token_ids),
+                    plan.prompts[0]["prompt_token_ids"],
+                    out.finish_reason is not None,
+                )
+                if message is None:
+                    # vLLM: nothing to send yet, unless the chunk carries more.
+                    if finish_reason is None and logprobs is None and token_ids is None:
+                        continue
+                    delta = ChatDelta()
+                else:
+                    delta = ChatDelta(**delta_fields(message))
+                if finish_reason is not None:
+                    finish_reason = plan.parsers.finish_reason(i, finish_reason)
+            if finish_reason is None:
                 stream_choice = ChatCompletionStreamChoice(
                     i, delta, logprobs, None, token_ids=token_ids
                 )
             else:
                 self._finished[i] = True
                 stream_choice = ChatCompletionStreamChoice(
-                    i, delta, logprobs, out.finish_reason, out.stop_reason, token_ids
+                    i, delta, logprobs, finish_reason, out.stop_reason, token_ids
                 )
             chunk = self._chunk(stream_choice)
             if out.finish_reason is not None and not plan.include_usage:
@@ -872,12 +1031,22 @@ class ChatResponder(_Responder):
                 logprobs = chat_logprobs(
                     self.tokenizer, c.token_ids, c.logprob_steps, plan.logprobs
                 )
+            text = "".join(c.text)
+            if plan.parsers is None:
+                message = ChatResponseMessage(plan.role, echo + text)
+                finish_reason = c.finish_reason or "stop"
+            else:
+                reasoning, content, tool_calls, called = plan.parsers.message(i, text)
+                message = ChatResponseMessage(
+                    plan.role, content, tool_calls=tool_calls, reasoning=reasoning
+                )
+                finish_reason = "tool_calls" if called else c.finish_reason or "stop"
             choices.append(
                 ChatCompletionResponseChoice(
                     i,
-                    ChatResponseMessage(plan.role, echo + "".join(c.text)),
+                    message,
                     logprobs,
-                    c.finish_reason or "stop",
+                    finish_reason,
                     c.stop_reason,
                     list(c.token_ids) if plan.return_token_ids else None,
                 )
@@ -891,7 +1060,7 @@ class ChatResponder(_Responder):
             None,
             self.fingerprint,
             self._usage(),
-            None,
+            self._prompt_logprobs(0),
             plan.prompts[0]["prompt_token_ids"] if plan.return_token_ids else None,
         )
         return encode(body)

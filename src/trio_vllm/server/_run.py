@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -13,17 +15,22 @@ from ._app import DEFAULT_MAX_BODY_BYTES, OpenAIServer
 from ._serve import DEFAULT_SHUTDOWN_GRACE, serve_app
 
 if TYPE_CHECKING:
-    import os
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Awaitable, Callable, Mapping, Sequence
 
     from anyio.abc import TaskStatus
 
     from ..client import ClientOptions, EngineSource
     from ._frontend import TextFrontend
+    from ._lora import LoRAModulePath
+    from ._tools import ToolOptions
 
 __all__ = ["run_openai_server"]
 
 logger = logging.getLogger("trio_vllm.server")
+
+# Seconds hypercorn's drain outlasts the app's shutdown grace: time for the error events
+# of the requests the app ends at the grace to reach their clients.
+_DRAIN_MARGIN = 5.0
 
 
 async def run_openai_server(
@@ -38,32 +45,47 @@ async def run_openai_server(
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     keep_serving_on_engine_death: bool = False,
     merge_outputs: bool = False,
+    tool_options: ToolOptions | None = None,
     freeze_gc: bool = False,
     handle_signals: bool = True,
     access_log: bool = False,
     generation_config: str | os.PathLike[str] = "auto",
     override_generation_config: Mapping[str, object] | None = None,
     client_options: ClientOptions | None = None,
+    lora_modules: Sequence[LoRAModulePath] = (),
+    allow_runtime_lora_updating: bool | None = None,
     stop: anyio.Event | None = None,
+    listen_fd: int | None = None,
+    server_index: int | None = None,
+    parent_pid: int | None = None,
     task_status: TaskStatus[OpenAIServer] = anyio.TASK_STATUS_IGNORED,
 ) -> int:
     """Start the engines, the text frontend and the HTTP server; return an exit status.
 
     Returns 0 after a requested shutdown (SIGTERM, SIGINT, or ``stop`` set): the server
-    stops accepting, running requests get ``shutdown_grace`` seconds, then the engines
-    are stopped (a request during startup just stops the startup). Returns 1 when the
-    engines die: every open stream ends with an error event, then the server shuts
-    down the same way, so a supervisor restarts it; with ``keep_serving_on_engine_death``
-    it keeps serving instead (``/health`` 503, every generation request 503) until asked
-    to stop. ``task_status.started(app)`` hands out the app once it listens
-    (``app.port`` is the bound port). ``generation_config`` and
+    stops accepting, running requests get ``shutdown_grace`` seconds (one still running then
+    is aborted and ends with an error event and ``[DONE]``, or a 503, and is logged:
+    `OpenAIServer.begin_shutdown`), then the engines are stopped (a request during startup
+    just stops the startup). Returns 1 when the engines die: every open stream ends with an
+    error event, then the server shuts down the same way, so a supervisor restarts it; with
+    ``keep_serving_on_engine_death`` it keeps serving instead (``/health`` 503, every
+    generation request 503) until asked to stop. ``task_status.started(app)`` hands out the
+    app once it listens (``app.port`` is the bound port). ``generation_config`` and
     ``override_generation_config`` are `open_llm`'s (vLLM's ``--generation-config`` and
     ``--override-generation-config``), ``client_options`` its `ClientOptions`;
-    ``merge_outputs`` is `OpenAIServer`'s. With
+    ``merge_outputs``, ``lora_modules``, ``allow_runtime_lora_updating`` and
+    ``tool_options`` are
+    `OpenAIServer`'s (the adapters are loaded on the engines before the server
+    listens; one that fails to load raises ``ValueError``). With
     ``freeze_gc`` the startup heap (imports, tokenizer, engines' handshake) is collected
     once and frozen (``gc.freeze()``) when the server listens, as ``vllm serve`` does:
     the collector then never walks it again while serving. The process keeps it frozen
     after the call returns (``trio-vllm serve`` always passes it).
+
+    One of several API servers (``trio-vllm serve --api-server-count N``): ``listen_fd``
+    is the listening socket the servers share (adopted), ``server_index`` goes into an
+    ``x-trio-vllm-server`` header on every response, and the server shuts down (status
+    0, as for SIGTERM) if the process ``parent_pid`` exits, so that none is orphaned.
 
     Raises:
         EngineStartupError: the engines did not start.
@@ -94,9 +116,31 @@ async def run_openai_server(
         if not serving:  # still starting: stop that (open_llm stops the engines)
             scope.cancel()
 
+    async def watch_parent() -> None:
+        # The parent of a group of API servers: its exit (even SIGKILL) ends this one.
+        assert parent_pid is not None
+        try:
+            fd = os.pidfd_open(parent_pid)
+        except OSError:
+            fd = -1
+        if fd < 0 or os.getppid() != parent_pid:  # gone already (this one reparented)
+            if fd >= 0:
+                os.close(fd)
+            logger.error("the parent process is gone; shutting down")
+            shutdown.set()
+            return
+        try:
+            await anyio.wait_readable(fd)
+        finally:
+            os.close(fd)
+        logger.error("the parent process exited; shutting down")
+        shutdown.set()
+
     async with anyio.create_task_group() as outer:
         if handle_signals and threading.current_thread() is threading.main_thread():
             outer.start_soon(watch_signals)
+        if parent_pid is not None:
+            outer.start_soon(watch_parent)
         if stop is not None:
             outer.start_soon(watch_stop, stop)
         outer.start_soon(stop_startup, outer.cancel_scope)
@@ -117,8 +161,12 @@ async def run_openai_server(
                 max_body_bytes=max_body_bytes,
                 model_root=None if model is None else str(model),
                 merge_outputs=merge_outputs,
+                tool_options=tool_options,
+                lora_modules=lora_modules,
+                allow_runtime_lora_updating=allow_runtime_lora_updating,
                 supported_tasks=tasks,
             )
+            await app.load_static_loras()
 
             async def watch_engines() -> None:
                 nonlocal exit_code
@@ -133,22 +181,37 @@ async def run_openai_server(
 
             served = anyio.Event()
 
+            served_app: Callable[..., Awaitable[None]] = app
+            if server_index is not None:
+                served_app = _ServerHeader(app, server_index)
+            sock = None
+            if listen_fd is not None:
+                sock = socket.socket(fileno=listen_fd)
+
             async def serve(*, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
                 try:
                     await serve_app(
-                        app,
+                        served_app,
+                        sock=sock,
                         host=host,
                         port=port,
                         shutdown_trigger=shutdown.wait,
-                        graceful_timeout=shutdown_grace,
+                        # The app ends what outlives the grace itself (an error event
+                        # and [DONE]); hypercorn's own cut comes only after that.
+                        graceful_timeout=shutdown_grace + _DRAIN_MARGIN,
                         access_log=access_log,
                         task_status=task_status,
                     )
                 finally:
                     served.set()
 
+            async def grace_on_shutdown() -> None:
+                await shutdown.wait()
+                app.begin_shutdown(shutdown_grace)
+
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch_engines)
+                tg.start_soon(grace_on_shutdown)
                 app.port = await tg.start(serve)
                 serving = True
                 if freeze_gc:
@@ -170,3 +233,20 @@ def _freeze_startup_heap() -> None:
         gc.collect(generation)
     gc.freeze()
     logger.info("startup heap frozen: %d objects (gc.freeze, as vllm serve)", gc.get_freeze_count())
+
+
+class _ServerHeader:
+    """The app with ``x-trio-vllm-server: INDEX`` on every response: which of the
+    group's API servers answered (tests and load checks read it)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], index: int) -> None:
+        self.app = app
+        self.header = (b"x-trio-vllm-server", str(index).encode())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def send_with_header(message: Any) -> None:
+            if message.get("type") == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)

@@ -6,15 +6,15 @@ Field names, order and defaults follow vLLM 0.32.0's pydantic models
 JSON keys in the same order. vLLM streams chunks with ``exclude_unset=True``; here a
 field typed ``... | UnsetType = UNSET`` is left out of the JSON the same way.
 
-Request structs list the fields trio-vllm honours; every other key is ignored (and
-logged) by the decoder, as vLLM's ``extra="allow"`` models do. Fields that would change
-the result but are not implemented are listed in `UNSUPPORTED_FIELDS` and answered
-with HTTP 400 when set.
+Request structs list the fields trio-vllm knows; `DECLARED_FIELDS` says for each
+whether it is implemented or refused (HTTP 400 naming it when set). vLLM's fields that
+trio-vllm does not declare are in `UNSUPPORTED_FIELDS` (400 unless harmless); every
+other key is ignored and logged, as vLLM's ``extra="allow"`` models do.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
@@ -41,6 +41,8 @@ __all__ = [
     "ModelCard",
     "ModelList",
     "ModelPermission",
+    "PromptLogprob",
+    "PromptLogprobsJSON",
     "StreamOptions",
     "StreamUsage",
     "UsageInfo",
@@ -83,11 +85,15 @@ class _SamplingFields(Struct, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
     request_id: str | None = None
     return_token_ids: bool | None = None
     use_beam_search: bool = False
     priority: int = 0
+    # Read by server/_structured.py as vLLM's request models read them.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -123,22 +129,112 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
 
 
-#: Fields trio-vllm knows but does not implement: set to anything but their default they
-#: get HTTP 400 instead of a result that silently differs from vLLM's.
-UNSUPPORTED_FIELDS: dict[str, object] = {
-    "suffix": None,
-    "response_format": None,
-    "structured_outputs": None,
-    "logprob_token_ids": None,
-    "prompt_logprobs": None,
-    "prompt_embeds": None,
-    "truncate_prompt_tokens": None,
-    "kv_transfer_params": None,
-    "ec_transfer_params": None,
-    "vllm_xargs": None,
-    "thinking_token_budget": None,
-    "repetition_detection": None,
-    "lora_request": None,
+FieldSupport = Literal["implemented", "accepted", "refused"]
+
+#: What the server does with each declared request field, per endpoint: "implemented"
+#: (it changes the request as in vLLM), "accepted" (vLLM does nothing with it either) or
+#: "refused" (any value but the default gets HTTP 400 naming the field: `_openai.py`'s
+#: own check where vLLM words one, else "`name` is not supported by trio-vllm serve.").
+#: A field is never dropped silently: implementing one is flipping its entry here (and
+#: a test over these tables sends each field and checks the verdict).
+DECLARED_FIELDS: dict[str, dict[str, FieldSupport]] = {
+    "completion": {},
+    "chat": {},
+    "embedding": {},  # server/_embeddings.py's EmbeddingRequest
+}
+_SHARED_SUPPORT: dict[str, FieldSupport] = {
+    "model": "implemented",
+    "frequency_penalty": "implemented",
+    "presence_penalty": "implemented",
+    "repetition_penalty": "implemented",
+    "logit_bias": "implemented",
+    "seed": "implemented",
+    "stop": "implemented",
+    "stream": "implemented",
+    "stream_options": "implemented",
+    "temperature": "implemented",
+    "top_p": "implemented",
+    "top_k": "implemented",
+    "min_p": "implemented",
+    "user": "accepted",  # vLLM's serving code never reads it
+    "stop_token_ids": "implemented",
+    "include_stop_str_in_output": "implemented",
+    "ignore_eos": "implemented",
+    "min_tokens": "implemented",
+    "skip_special_tokens": "implemented",
+    "spaces_between_special_tokens": "implemented",
+    "allowed_token_ids": "implemented",
+    "prompt_logprobs": "implemented",
+    "bad_words": "implemented",
+    "request_id": "implemented",
+    "return_token_ids": "implemented",
+    "use_beam_search": "refused",
+    "priority": "refused",  # the text layer's generate takes no priority yet
+    "response_format": "implemented",  # server/_structured.py
+    "structured_outputs": "implemented",
+}
+DECLARED_FIELDS["completion"].update(
+    _SHARED_SUPPORT,
+    prompt="implemented",
+    echo="implemented",
+    logprobs="implemented",
+    max_tokens="implemented",
+    n="implemented",
+    suffix="refused",  # vLLM refuses it too for a model without FIM rendering
+    add_special_tokens="implemented",
+)
+DECLARED_FIELDS["chat"].update(
+    _SHARED_SUPPORT,
+    messages="implemented",
+    logprobs="implemented",
+    top_logprobs="implemented",
+    max_tokens="implemented",
+    max_completion_tokens="implemented",
+    n="implemented",
+    echo="implemented",
+    add_generation_prompt="implemented",
+    continue_final_message="refused",
+    add_special_tokens="implemented",
+    chat_template="implemented",
+    chat_template_kwargs="implemented",
+    tools="implemented",
+    tool_choice="implemented",
+)
+DECLARED_FIELDS["embedding"].update(
+    # vLLM 0.32.0's EmbeddingCompletionRequest, every field
+    input="implemented",
+    model="implemented",
+    encoding_format="implemented",  # float and base64; the bytes formats get their own 400
+    dimensions="implemented",  # POOLING rules: refused as vLLM refuses it
+    user="accepted",
+    use_activation="implemented",
+    add_special_tokens="implemented",
+    embed_dtype="refused",  # float32 only
+    endianness="implemented",
+    request_id="implemented",
+    padding="refused",
+    truncate_prompt_tokens="refused",
+    truncation_side="refused",
+    priority="refused",
+    mm_processor_kwargs="refused",
+    cache_salt="refused",
+)
+
+#: Fields of vLLM's request models that trio-vllm does not declare, with the values it
+#: accepts because they change nothing (null). Any other value gets HTTP 400 naming the field
+#: instead of a result that silently differs from vLLM's; these are never logged as
+#: ignored. Implementing one is declaring it on the request struct (and in
+#: `DECLARED_FIELDS`) and removing it here.
+UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
+    "logprob_token_ids": (None,),
+    "prompt_embeds": (None,),
+    "truncate_prompt_tokens": (None,),
+    "kv_transfer_params": (None,),
+    "ec_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "thinking_token_budget": (None,),
+    "repetition_detection": (None,),
+    "lora_request": (None,),
 }
 
 # ----------------------------------------------------------------------------- responses
@@ -178,6 +274,19 @@ class CompletionLogProbs(Struct):
     top_logprobs: list[dict[str, float] | None]
 
 
+class PromptLogprob(Struct):
+    """One entry of ``prompt_logprobs`` (vLLM's ``Logprob`` dataclass as JSON)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+#: ``prompt_logprobs`` as vLLM answers it: per prompt position ``null`` (the first) or
+#: ``{token id (a JSON key): Logprob}``.
+PromptLogprobsJSON = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionResponseChoice(Struct):
     index: int
     text: str
@@ -185,7 +294,7 @@ class CompletionResponseChoice(Struct):
     finish_reason: str | None
     stop_reason: int | str | None
     token_ids: list[int] | None = None
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
     prompt_token_ids: list[int] | None = None
     routed_experts: None = None
 
@@ -249,7 +358,7 @@ class ChatResponseMessage(Struct):
     audio: None = None
     function_call: None = None
     tool_calls: list[Any] = msgspec.field(default_factory=list)
-    reasoning: None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionResponseChoice(Struct):
@@ -271,7 +380,7 @@ class ChatCompletionResponse(Struct):
     service_tier: None
     system_fingerprint: str | None
     usage: UsageInfo
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
     kv_transfer_params: None = None
@@ -282,6 +391,8 @@ class ChatCompletionResponse(Struct):
 class ChatDelta(Struct):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning: str | UnsetType = UNSET
+    tool_calls: list[Any] | UnsetType = UNSET
 
 
 class ChatCompletionStreamChoice(Struct):

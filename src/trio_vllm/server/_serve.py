@@ -59,6 +59,7 @@ async def serve_app(
     graceful_timeout: float = DEFAULT_SHUTDOWN_GRACE,
     backlog: int = 2048,
     access_log: bool = False,
+    sock: socket.socket | None = None,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve an ASGI app with hypercorn until ``shutdown_trigger`` returns.
@@ -68,11 +69,14 @@ async def serve_app(
     the socket listens. When ``shutdown_trigger`` returns, hypercorn stops accepting,
     lets running requests finish for ``graceful_timeout`` seconds, then cancels them
     (a cancelled generation request aborts on its engine). Cancelling this call closes
-    everything at once.
+    everything at once. ``sock``: a listening socket to serve instead of binding
+    ``host:port`` (one that several server processes share, ``--api-server-count``);
+    it is adopted (closed when serving ends).
     """
     from hypercorn.config import Config
 
-    sock = _listen(host, port, backlog)
+    if sock is None:
+        sock = _listen(host, port, backlog)
     bound_port = sock.getsockname()[1]
     config = Config()
     # hypercorn adopts the descriptor (socket.socket(fileno=...)): detach ours.

@@ -214,18 +214,33 @@ class SyncLLM:
         return SyncRequestOutputStream(self._loop, wrapped, stream)
 
     def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> SyncRequestOutputStream:
         """Send a request and return a blocking iterator of its outputs (see
         `LLM.generate`)."""
-        return self._open(self.llm.generate(prompt, params, request_id=request_id))
+        return self._open(
+            self.llm.generate(prompt, params, request_id=request_id, lora_request=lora_request)
+        )
 
     def generate_final(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
         """Generate to the end; the final output with all ``n`` completions."""
         context = self.llm.generate(
-            prompt, final_only(self.llm.sampling_defaults, params), request_id=request_id
+            prompt,
+            final_only(self.llm.sampling_defaults, params),
+            request_id=request_id,
+            lora_request=lora_request,
         )
         return self._loop.call(_run_final, context)
 
@@ -273,6 +288,8 @@ class SyncLLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> SyncRequestOutputStream:
         """`LLM.chat` as a blocking iterator."""
         return self._open(
@@ -283,6 +300,8 @@ class SyncLLM:
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
                 chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
+                lora_request=lora_request,
             )
         )
 
@@ -295,6 +314,8 @@ class SyncLLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
         """A reply to a conversation, final (as `generate_final`)."""
         context = self.llm.chat(
@@ -304,6 +325,8 @@ class SyncLLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+            lora_request=lora_request,
         )
         return self._loop.call(_run_final, context)
 
@@ -314,6 +337,7 @@ class SyncLLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> tuple[str, list[int]]:
         """The prompt text and token ids of a conversation (no engine involved)."""
         return self.llm.render_chat(
@@ -321,6 +345,7 @@ class SyncLLM:
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
 
     def abort(self, request_id: str) -> None:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ._harness import CheckpointRun as CheckpointRun
     from ._harness import Violation as Violation
     from ._harness import check_cancellation as check_cancellation
+    from ._lora import write_lora_adapter as write_lora_adapter
 
 # name -> the private module that defines it
 _LAZY = {
@@ -53,6 +54,7 @@ _LAZY = {
     "CheckpointRun": "._harness",
     "Violation": "._harness",
     "check_cancellation": "._harness",
+    "write_lora_adapter": "._lora",
 }
 
 __all__ = [
@@ -72,6 +74,7 @@ __all__ = [
     "engine_mock_clock",
     "open_reference_engines",
     "real_time",
+    "write_lora_adapter",
 ]
 
 

@@ -34,6 +34,10 @@ from ._pooling import PoolingRequestOutput as PoolingRequestOutput
 from ._pooling import pooling_model_of as pooling_model_of
 from ._pooling import prepare_pooling as prepare_pooling
 from ._pooling import to_pooling_output as to_pooling_output
+from ._tokenize import detokenize as detokenize
+from ._tokenize import token_strs as token_strs
+from ._tokenize import tokenize as tokenize
+from ._tokenize import tokenize_chat as tokenize_chat
 from ._tokenizer import ModelFiles as ModelFiles
 from ._tokenizer import Tokenizer as Tokenizer
 from ._tokenizer import load_tokenizer as load_tokenizer
@@ -78,6 +82,7 @@ __all__ = [
     "Tokenizer",
     "TokensPrompt",
     "check_stop_strings",
+    "detokenize",
     "internal_request_id",
     "load_tokenizer",
     "normalize_messages",
@@ -87,4 +92,7 @@ __all__ = [
     "render_chat_template",
     "resolve_model_dir",
     "to_pooling_output",
+    "token_strs",
+    "tokenize",
+    "tokenize_chat",
 ]

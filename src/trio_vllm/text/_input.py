@@ -31,6 +31,7 @@ from ..protocol.rules import (
     PromptInput,
     PromptText,
 )
+from ..protocol.structured import resolve_structured_outputs
 from ._chat import render_chat_template
 from ._defaults import SamplingDefaults
 from ._output import OutputProcessor, ParentRequest
@@ -107,6 +108,7 @@ class InputProcessor:
         generation_config: Mapping[str, object] | None = None,
         sampling_defaults: Mapping[str, float | int] | None = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        structured_outputs_backend: str = "auto",
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -128,7 +130,10 @@ class InputProcessor:
             vocab_size=vocab_size,
             max_token_id=self._max_token_id(),
             max_logprobs=max_logprobs,
+            structured_output_backend=structured_outputs_backend,
         )
+        # vLLM's --structured-outputs-config.backend: "auto" picks per request.
+        self.structured_outputs_backend = structured_outputs_backend
 
     @classmethod
     def from_model_files(
@@ -250,7 +255,8 @@ class InputProcessor:
         (unless ``ignore_eos``) and joins ``_all_stop_token_ids``; the generation config's
         other EOS ids join ``_all_stop_token_ids`` and (unless ``ignore_eos``)
         ``stop_token_ids`` (vLLM's ``update_from_generation_config``); ``bad_words`` are
-        tokenized (``update_from_tokenizer``).
+        tokenized (``update_from_tokenizer``); ``structured_outputs`` gets its backend
+        and its grammar checked (`resolve_structured_outputs`).
         """
         limits = self.limits
         if params is None:
@@ -279,6 +285,12 @@ class InputProcessor:
         _update_from_generation_config(p, self.generation_config, eos)
         if self.tokenizer is not None and p.bad_words:
             _update_bad_words(p, self.tokenizer)
+        if p.structured_outputs is not None:
+            # vLLM's backend choice and grammar check (a new struct: the caller's, which
+            # a shallow copy shares, stays as it was).
+            p.structured_outputs = resolve_structured_outputs(
+                p.structured_outputs, self.structured_outputs_backend
+            )
         SAMPLING_WIRE.raise_for(p, limits)
         return p
 

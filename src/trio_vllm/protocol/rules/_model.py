@@ -199,8 +199,7 @@ def _allowed_token_ids(p: SamplingParams, limits: Limits) -> Fail | None:
 
 @SAMPLING_LIMITS.rule(
     "structured_outputs",
-    param="structured_outputs",
-    example={"structured_outputs": StructuredOutputsParams(regex="a+", _backend="gbnf")},
+    example={"structured_outputs": StructuredOutputsParams(choice=[])},
     fast="s.structured_outputs is None",
 )
 def _structured_outputs(p: SamplingParams, limits: Limits) -> Fail | None:

@@ -96,6 +96,26 @@ def _top_logprobs(req: object, limits: Limits) -> Fail | None:
 
 
 @OPENAI.rule(
+    "prompt_logprobs",
+    param="prompt_logprobs",
+    engine=False,
+    example={"prompt_logprobs": 1, "stream": True},
+    http={"prompt_logprobs": 1, "stream": True},
+)
+def _prompt_logprobs_stream(req: object, limits: Limits) -> Fail | None:
+    # vLLM's check_logprobs validator (both endpoints): no prompt logprobs on a stream
+    # (0, the sampled prompt token only, is let through), and -1 means the whole vocab.
+    v = _field(req, "prompt_logprobs")
+    if v is None:
+        return None
+    if _field(req, "stream") and (v > 0 or v == -1):
+        return "`prompt_logprobs` are not available when `stream=True`.", None
+    if v < 0 and v != -1:
+        return "`prompt_logprobs` must be a positive value or -1.", v
+    return None
+
+
+@OPENAI.rule(
     "max_tokens",
     param="max_tokens",
     engine=False,

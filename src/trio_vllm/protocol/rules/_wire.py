@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Final
 
+from ..structs import StructuredOutputsParams
 from ._core import (
     ENGINE_MAX_TOKEN_ID,
     OUTPUT_KINDS,
+    STRUCTURED_OUTPUT_BACKENDS,
     UINT64_MAX,
     Fail,
     Family,
@@ -155,6 +157,26 @@ def _routed_experts_prompt_start(p: SamplingParams, limits: Limits) -> Fail | No
     if is_int(v) and 0 <= v <= UINT64_MAX:
         return None
     return f"routed_experts_prompt_start must be an integer >= 0, got {v!r}.", None
+
+
+@SAMPLING_WIRE.rule(
+    "structured_outputs._backend",
+    param="structured_outputs",
+    example={"structured_outputs": StructuredOutputsParams(regex="a+", _backend="gbnf")},
+    fast="s.structured_outputs is None",
+)
+def _structured_backend(p: SamplingParams, limits: Limits) -> Fail | None:
+    # The engine instantiates the backend the first structured request names: an
+    # unknown one fails that request; vLLM's frontend always sets a real one.
+    so = p.structured_outputs
+    if so is None or so._backend in STRUCTURED_OUTPUT_BACKENDS:
+        return None
+    return (
+        "structured_outputs._backend must name the engine's backend, one of "
+        f"{sorted(STRUCTURED_OUTPUT_BACKENDS)}, got {so._backend!r} (the text layer "
+        "and the server set it; a raw request must).",
+        None,
+    )
 
 
 SAMPLING_RAW: Final[Family[SamplingParams]] = Family("sampling_raw", sampling_example)

@@ -1,0 +1,260 @@
+"""Tool calling and reasoning in ``/v1/chat/completions``, as ``vllm serve`` 0.32 does
+them with ``--enable-auto-tool-choice``, ``--tool-call-parser NAME`` and
+``--reasoning-parser NAME``.
+
+Requests: vLLM's ``tools``/``tool_choice`` validation and messages; the tools go to the
+chat template; parsers that need the model's markup tokens turn
+``skip_special_tokens`` off, as their ``adjust_request`` does. Responses: each choice
+runs through a `ChatOutputParser` (the text layer's port of vLLM's serving-side
+parser): ``reasoning``, ``content`` and ``tool_calls`` of the message or of each
+streamed delta, finish reason ``tool_calls`` when the parser found calls.
+``tool_choice`` ``required`` and named need a JSON-schema structured output vLLM
+derives from the tools; trio-vllm serve refuses them with a 400 until it has one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ..text.reasoning import REASONING_PARSERS, reasoning_parser_class
+from ..text.tools import TOOL_PARSERS, ChatOutputParser, make_tool_call_id, tool_parser_class
+from ._http import HTTPError
+
+if TYPE_CHECKING:
+    from ..text.tools import DeltaMessage, FunctionCall
+    from ._frontend import TokenizerLike
+    from ._schemas import ChatCompletionRequest
+
+__all__ = [
+    "ChoiceParsers",
+    "ToolOptions",
+    "check_tools",
+    "delta_fields",
+    "skip_special_tokens",
+    "tool_choice_of",
+]
+
+_CORRECT_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+
+
+class ToolOptions(msgspec.Struct, frozen=True):
+    """The server's tool and reasoning flags (vllm serve's spelling).
+
+    Raises `ValueError` for an unknown parser name, and for
+    ``enable_auto_tool_choice`` without ``tool_call_parser`` (vLLM refuses to start).
+    """
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"invalid tool call parser: {self.tool_call_parser} "
+                f"(chose from {{ {', '.join(sorted(TOOL_PARSERS))} }})"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"invalid reasoning parser: {self.reasoning_parser} "
+                f"(chose from {{ {', '.join(sorted(REASONING_PARSERS))} }})"
+            )
+
+    @property
+    def active_tool_parser(self) -> str | None:
+        """The tool parser that runs: vLLM builds none without
+        ``--enable-auto-tool-choice``, whatever ``--tool-call-parser`` says."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
+
+    @property
+    def has_parser(self) -> bool:
+        """A per-request parser runs (vLLM: a tool or a reasoning parser is active)."""
+        return self.active_tool_parser is not None or self.reasoning_parser is not None
+
+
+def tool_choice_of(req: ChatCompletionRequest) -> str | dict[str, Any] | None:
+    """``tool_choice`` as vLLM reads it: ``"auto"`` when tools come without one."""
+    if req.tool_choice is None and req.tools:
+        return "auto"
+    return req.tool_choice
+
+
+def check_tools(req: ChatCompletionRequest, options: ToolOptions) -> None:
+    """vLLM's checks of ``tools`` and ``tool_choice`` (its protocol validator, then its
+    renderer), with its messages; `HTTPError` (400)."""
+    if req.tools == []:
+        raise HTTPError(
+            "`tools` must not be an empty array. "
+            "Either provide at least one tool or omit the field entirely.",
+            param="tools",
+        )
+    choice = tool_choice_of(req)
+    if choice is None or choice == "none":
+        return
+    if req.tools is None:
+        raise HTTPError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    if choice not in ("auto", "required") and not isinstance(choice, dict):
+        raise HTTPError(
+            f"Invalid value for `tool_choice`: {choice}! "
+            'Only named tools, "none", "auto" or "required" are supported.',
+            param="tool_choice",
+        )
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if not isinstance(function, dict):
+            raise HTTPError(
+                f"Invalid value for `function`: `{function}` in `tool_choice`! {_CORRECT_USAGE}",
+                param="tool_choice.function",
+            )
+        if "name" not in function:
+            raise HTTPError(
+                f"Expected field `name` in `function` in `tool_choice`! {_CORRECT_USAGE}",
+                param="tool_choice.function.name",
+            )
+        name = function["name"]
+        if not isinstance(name, str) or not name:
+            raise HTTPError(
+                f"Invalid `name` in `function`: `{name}` in `tool_choice`! {_CORRECT_USAGE}",
+                param="tool_choice.function.name",
+            )
+        if not any(
+            isinstance(t.get("function"), dict) and t["function"].get("name") == name
+            for t in req.tools
+        ):
+            raise HTTPError(
+                "The tool specified in `tool_choice` does not match any of the specified `tools`",
+                param="tool_choice",
+            )
+    # The renderer's checks (vLLM's messages; no param).
+    if options.active_tool_parser is None:
+        if choice == "auto" and not options.enable_auto_tool_choice:
+            raise HTTPError(
+                '"auto" tool choice requires --enable-auto-tool-choice and '
+                "--tool-call-parser to be set"
+            )
+        if choice != "auto":
+            desc = (
+                f'function "{choice["function"]["name"]}"'
+                if isinstance(choice, dict)
+                else (f'"{choice}"')
+            )
+            raise HTTPError(f"tool_choice={desc} requires --tool-call-parser to be set")
+    if choice == "required" or isinstance(choice, dict):
+        raise HTTPError(
+            "tool_choice required and named tools are not supported by trio-vllm serve yet "
+            "(they need a JSON-schema structured output).",
+            param="tool_choice",
+        )
+
+
+def skip_special_tokens(req: ChatCompletionRequest, options: ToolOptions, choice: object) -> bool:
+    """The request's ``skip_special_tokens`` after the parsers' ``adjust_request``:
+    off for a tool parser when tools are used (markers may be special tokens), and
+    always for the engine-based ``qwen3`` reasoning parser."""
+    if options.active_tool_parser is not None and req.tools and choice != "none":
+        return False
+    if options.reasoning_parser == "qwen3":
+        return False
+    return req.skip_special_tokens
+
+
+class ChoiceParsers:
+    """The per-choice parsers of one chat request, and what its response needs."""
+
+    def __init__(
+        self,
+        req: ChatCompletionRequest,
+        options: ToolOptions,
+        tokenizer: TokenizerLike,
+        n: int,
+        choice: str | dict[str, Any] | None,
+    ) -> None:
+        self.options = options
+        self.tool_choice = choice
+        self.parsers: list[ChatOutputParser] = []
+        try:
+            self._build(req, options, tokenizer, n, choice)
+        except RuntimeError as exc:  # the model's vocabulary lacks the parser's markers
+            raise HTTPError(str(exc)) from None
+        self.tools_streamed = [False] * n
+
+    def _build(
+        self,
+        req: ChatCompletionRequest,
+        options: ToolOptions,
+        tokenizer: TokenizerLike,
+        n: int,
+        choice: str | dict[str, Any] | None,
+    ) -> None:
+        tools = req.tools
+        kwargs = req.chat_template_kwargs
+        for _ in range(n):
+            reasoning = (
+                reasoning_parser_class(options.reasoning_parser)(
+                    tokenizer, chat_template_kwargs=kwargs
+                )
+                if options.reasoning_parser is not None
+                else None
+            )
+            active = options.active_tool_parser
+            tool = tool_parser_class(active)(tokenizer, tools) if active is not None else None
+            self.parsers.append(
+                ChatOutputParser(
+                    reasoning,
+                    tool,
+                    tool_choice=choice if isinstance(choice, str) or choice is None else None,
+                    enable_auto_tools=options.enable_auto_tool_choice,
+                )
+            )
+
+    def message(
+        self, i: int, text: str
+    ) -> tuple[str | None, str | None, list[dict[str, Any]], bool]:
+        """``(reasoning, content, tool_calls, auto_tools_called)`` of choice ``i``'s
+        complete text (vLLM's full-response branches for none/auto)."""
+        reasoning, content, calls = self.parsers[i].parse(text)
+        auto = self.tool_choice in ("auto", None) and self.options.active_tool_parser is not None
+        if not auto or not calls:
+            return reasoning, content, [], False
+        return reasoning, content, [_tool_call(c) for c in calls], True
+
+    def delta(
+        self, i: int, text: str, token_ids: list[int], prompt_ids: list[int], finished: bool
+    ) -> DeltaMessage | None:
+        """Choice ``i``'s streamed delta, or ``None`` for nothing to send."""
+        message = self.parsers[i].parse_delta(text, token_ids, prompt_ids, finished=finished)
+        if message is not None and message.tool_calls:
+            self.tools_streamed[i] = True
+        return message
+
+    def finish_reason(self, i: int, reason: str | None) -> str:
+        """``tool_calls`` for a choice that streamed calls and stopped (vLLM)."""
+        if self.tools_streamed[i] and reason == "stop":
+            return "tool_calls"
+        return reason or "stop"
+
+
+def _tool_call(call: FunctionCall) -> dict[str, Any]:
+    return {
+        "id": make_tool_call_id(),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+def delta_fields(message: DeltaMessage) -> dict[str, Any]:
+    """A parser delta as the JSON fields of a stream chunk's ``delta`` (set fields)."""
+    out: dict[str, Any] = {}
+    if message.role is not None:
+        out["role"] = message.role
+    if message.content is not None:
+        out["content"] = message.content
+    if message.reasoning is not None:
+        out["reasoning"] = message.reasoning
+    if message.tool_calls:
+        out["tool_calls"] = msgspec.to_builtins(message.tool_calls)
+    return out

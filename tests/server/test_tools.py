@@ -1,0 +1,218 @@
+"""Tool calling and reasoning in /v1/chat/completions (server/_tools.py): vLLM's checks
+and messages, and responses built through the per-choice parsers, streamed and not.
+
+Sans-I/O: plans from `plan_chat` over a stand-in frontend, responders fed outputs made
+here (deltas a model could produce); no engine, no socket.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+import pytest
+
+from trio_vllm.server import ToolOptions
+from trio_vllm.server._http import HTTPError
+from trio_vllm.server._openai import ChatResponder, plan_chat
+from trio_vllm.server._schemas import ChatCompletionRequest
+from trio_vllm.text import CompletionOutput, RequestOutput
+
+from .test_declared_fields import _Frontend
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+HERMES = ToolOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
+MESSAGES = [{"role": "user", "content": "weather?"}]
+
+
+def _plan(options: ToolOptions, stream: bool = False, **fields: Any) -> Any:
+    req = ChatCompletionRequest(messages=MESSAGES, stream=stream, **fields)
+    return plan_chat(
+        req, _Frontend(), model="m", header_request_id="x", extra={}, tool_options=options
+    )  # type: ignore[arg-type]
+
+
+def _error(options: ToolOptions, **fields: Any) -> HTTPError:
+    with pytest.raises(HTTPError) as info:
+        _plan(options, **fields)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("options", "fields", "message"),
+    [
+        (ToolOptions(), {"tools": [TOOL]}, '"auto" tool choice requires --enable-auto-tool-choice'),
+        (ToolOptions(), {"tools": [TOOL], "tool_choice": "required"},
+         'tool_choice="required" requires --tool-call-parser to be set'),
+        (ToolOptions(), {"tools": [TOOL], "tool_choice": {"type": "function", "function":
+         {"name": "get_weather"}}}, 'tool_choice=function "get_weather" requires'),
+        (HERMES, {"tools": []}, "`tools` must not be an empty array."),
+        (HERMES, {"tool_choice": "auto"}, "When using `tool_choice`, `tools` must be set."),
+        (HERMES, {"tools": [TOOL], "tool_choice": "sometimes"},
+         "Invalid value for `tool_choice`: sometimes!"),
+        (HERMES, {"tools": [TOOL], "tool_choice": {"type": "function", "function":
+         {"name": "nope"}}}, "The tool specified in `tool_choice` does not match any"),
+        (HERMES, {"tools": [TOOL], "tool_choice": {"type": "function"}},
+         "Invalid value for `function`: `None`"),
+    ],
+)  # fmt: skip
+def test_tool_requests_are_checked_as_vllm(
+    options: ToolOptions, fields: dict[str, Any], message: str
+) -> None:
+    assert message in str(_error(options, **fields))
+
+
+def test_required_and_named_are_refused_until_structured_outputs() -> None:
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        assert "not supported by trio-vllm serve yet" in str(
+            _error(HERMES, tools=[TOOL], tool_choice=choice)
+        )
+
+
+def test_flags_are_checked_as_vllm_serve_does() -> None:
+    with pytest.raises(ValueError, match="requires --tool-call-parser"):
+        ToolOptions(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="invalid tool call parser: nope"):
+        ToolOptions(tool_call_parser="nope")
+    with pytest.raises(ValueError, match="invalid reasoning parser"):
+        ToolOptions(reasoning_parser="nope")
+
+
+def test_tools_reach_the_template_and_keep_special_tokens() -> None:
+    plan = _plan(HERMES, tools=[TOOL])
+    assert json.loads(plan.prompts[0]["prompt"])[-1] == [TOOL]
+    assert plan.params[0].skip_special_tokens is False  # hermes' adjust_request
+    assert _plan(HERMES, tools=[TOOL], tool_choice="none").params[0].skip_special_tokens
+    assert _plan(ToolOptions()).parsers is None  # no flags: no parser, as vLLM
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+DELTAS = ["Let me check.", "<tool_call>", "\n", '{"name": "get_weather", ', '"arguments": ',
+          '{"city": "Paris"}}', "\n", "</tool_call>"]  # fmt: skip
+
+
+def _outputs(deltas: list[str], finish: str = "stop") -> list[RequestOutput]:
+    outs = []
+    for k, text in enumerate(deltas):
+        last = k == len(deltas) - 1
+        completion = CompletionOutput(0, text, [1000 + k], None, None, finish if last else None)
+        outs.append(RequestOutput("e", None, [1, 2, 3], None, [completion], last, 0))
+    return outs
+
+
+def _events(body: bytes) -> list[dict[str, Any]]:
+    return [
+        json.loads(e[len(b"data: ") :]) for e in body.split(b"\n\n") if e.startswith(b"data: {")
+    ]
+
+
+def test_a_tool_call_in_the_full_response() -> None:
+    plan = _plan(HERMES, tools=[TOOL])
+    responder = ChatResponder(plan, _Frontend.tokenizer, None)
+    for out in _outputs(["Let me check.", CALL]):
+        responder.on_output(0, out)
+    (choice,) = json.loads(responder.finish())["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["content"] == "Let me check."
+    (call,) = message["tool_calls"]
+    assert call["id"].startswith("chatcmpl-tool-")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    # tool_choice none: the same text is content, finish reason as the engine's
+    plan = _plan(HERMES, tools=[TOOL], tool_choice="none")
+    responder = ChatResponder(plan, _Frontend.tokenizer, None)
+    for out in _outputs(["Let me check.", CALL]):
+        responder.on_output(0, out)
+    (choice,) = json.loads(responder.finish())["choices"]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["content"] == "Let me check." + CALL
+    assert choice["message"]["tool_calls"] == []
+
+
+def test_streamed_tool_call_deltas_in_vllms_shapes() -> None:
+    plan = _plan(HERMES, stream=True, tools=[TOOL])
+    responder = ChatResponder(plan, _Frontend.tokenizer, None)
+    body = b"".join(responder.on_output(0, o) for o in _outputs(DELTAS)) + responder.finish()
+    events = _events(body)
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert deltas[1] == {"content": "Let me check."}
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert calls[0]["type"] == "function"
+    assert calls[0]["function"] == {"name": "get_weather"}
+    assert calls[0]["index"] == 0
+    args = "".join(c["function"].get("arguments", "") for c in calls)
+    assert json.loads(args) == {"city": "Paris"}
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+class _ThinkTokenizer:
+    """tiny-llama's tokenizer with ``<think>``/``</think>`` as tokens 900/901."""
+
+    ids: ClassVar[dict[str, int]] = {"<think>": 900, "</think>": 901}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_Frontend.tokenizer, name)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.ids.get(token)
+
+
+class _ThinkFrontend(_Frontend):
+    tokenizer = _ThinkTokenizer()  # type: ignore[assignment]
+
+
+def _think_outputs(deltas: list[str]) -> list[RequestOutput]:
+    outs = _outputs(deltas)
+    for out, text in zip(outs, deltas, strict=True):
+        if text in _ThinkTokenizer.ids:
+            out.outputs[0].token_ids = [_ThinkTokenizer.ids[text]]
+    return outs
+
+
+def test_reasoning_streamed_and_not() -> None:
+    options = ToolOptions(reasoning_parser="deepseek_r1")
+    deltas = ["<think>", "Hmm", " ok", "</think>", "Answer", "."]
+    req = ChatCompletionRequest(messages=MESSAGES)
+    plan = plan_chat(
+        req, _ThinkFrontend(), model="m", header_request_id="x", extra={}, tool_options=options
+    )  # type: ignore[arg-type]
+    responder = ChatResponder(plan, _Frontend.tokenizer, None)
+    for out in _think_outputs(deltas):
+        responder.on_output(0, out)
+    (choice,) = json.loads(responder.finish())["choices"]
+    assert choice["message"]["reasoning"] == "Hmm ok"
+    assert choice["message"]["content"] == "Answer."
+    assert choice["finish_reason"] == "stop"
+
+    req = ChatCompletionRequest(messages=MESSAGES, stream=True)
+    plan = plan_chat(
+        req, _ThinkFrontend(), model="m", header_request_id="x", extra={}, tool_options=options
+    )  # type: ignore[arg-type]
+    responder = ChatResponder(plan, _Frontend.tokenizer, None)
+    body = b"".join(responder.on_output(0, o) for o in _think_outputs(deltas))
+    deltas_out = [e["choices"][0]["delta"] for e in _events(body)]
+    assert deltas_out[1:] == [
+        {"reasoning": "Hmm"},
+        {"reasoning": " ok"},
+        {"content": "Answer"},
+        {"content": "."},
+    ]
+
+
+def test_a_model_without_the_markers_gets_a_clear_400() -> None:
+    message = str(_error(ToolOptions(reasoning_parser="deepseek_r1")))
+    assert "could not locate think start/end tokens" in message
+
+
+def test_a_tool_parser_without_auto_tool_choice_is_inactive_as_in_vllm() -> None:
+    """vLLM builds no tool parser without --enable-auto-tool-choice: auto is refused and
+    required asks for the parser, even with --tool-call-parser given."""
+    options = ToolOptions(tool_call_parser="hermes")
+    assert '"auto" tool choice requires' in str(_error(options, tools=[TOOL]))
+    assert 'tool_choice="required" requires --tool-call-parser' in str(
+        _error(options, tools=[TOOL], tool_choice="required")
+    )
+    plan = _plan(options, tools=[TOOL], tool_choice="none")
+    assert plan.parsers is None
+    assert plan.params[0].skip_special_tokens
