@@ -11,6 +11,7 @@ captured at vLLM's own ``MsgpackEncoder.encode`` / ``MsgpackDecoder.decode``.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import enum
 import json
 import os
@@ -31,6 +32,9 @@ def spelled(value: Any) -> Any:
                                "shape": list(t.shape), "values": t.flatten().tolist()}}  # fmt: skip
     if isinstance(value, msgspec.Struct):
         return {f: spelled(getattr(value, f)) for f in value.__struct_fields__}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # vLLM's stats (PrefillStats, PrefixCacheStats) are dataclasses, spelled as maps
+        return {f.name: spelled(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, (set, frozenset)):
@@ -39,6 +43,8 @@ def spelled(value: Any) -> Any:
         return [spelled(v) for v in value]
     if isinstance(value, dict):
         return {k: spelled(v) for k, v in value.items()}
+    if hasattr(value, "__dict__") and not isinstance(value, type):  # a plain object
+        return {k: spelled(v) for k, v in vars(value).items() if not k.startswith("_")}
     return value
 
 

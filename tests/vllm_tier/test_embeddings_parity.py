@@ -24,6 +24,7 @@ import pytest
 
 from .conftest import ENGINE_ENV, TINY_MODEL, vllm_python
 from .test_serve_parity import SERVE_ARGS, SERVED, VLLM_CLI, _free_port, _stop, _wait_healthy
+from .test_tokens_parity import vllm_lock
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -95,12 +96,13 @@ def _start_ours(python: str, args: list[str], port: int) -> subprocess.Popen[byt
 
 def _serve(start: Any, python: str, args: list[str], run: Any) -> Any:
     port = _free_port()
-    process = start(python, args, port)
-    try:
-        _wait_healthy(process, port, 900)
-        return run(port)
-    finally:
-        _stop(process)
+    with vllm_lock():  # in-process: the stock server (or engine) is stopped before it ends
+        process = start(python, args, port)
+        try:
+            _wait_healthy(process, port, 900)
+            return run(port)
+        finally:
+            _stop(process)
 
 
 def test_embeddings_match_vllm_serve() -> None:
@@ -155,13 +157,14 @@ def test_llm_embed_matches_vllm_llm_embed(tmp_path: Any) -> None:
     python = vllm_python()
     out = tmp_path / "reference.json"
     script = os.path.join(os.path.dirname(__file__), "embed_reference.py")
-    subprocess.run(
-        [python, script, str(TINY_MODEL), str(out)],
-        env={**os.environ, **ENGINE_ENV},
-        check=True,
-        timeout=900,
-        stdout=subprocess.DEVNULL,
-    )
+    with vllm_lock():  # the script's engine is its child: it ends with the script
+        subprocess.run(
+            [python, script, str(TINY_MODEL), str(out)],
+            env={**os.environ, **ENGINE_ENV},
+            check=True,
+            timeout=900,
+            stdout=subprocess.DEVNULL,
+        )
     reference = json.loads(out.read_text())
     assert len(reference["vectors"]) == 2
     for vector in reference["vectors"]:
@@ -175,7 +178,8 @@ def test_llm_embed_matches_vllm_llm_embed(tmp_path: Any) -> None:
         async with open_llm(engines, model=TINY_MODEL, ready_timeout=800) as llm:
             return await llm.embed(PROMPTS)
 
-    got = anyio.run(ours)
+    with vllm_lock():
+        got = anyio.run(ours)
     assert len(got) == len(reference["embeddings"]) == len(PROMPTS)
     for g, w in zip(got, reference["embeddings"], strict=True):
         assert g.prompt_token_ids == w["prompt_token_ids"]
