@@ -133,8 +133,12 @@ async def test_encode_and_embed_on_a_pooling_engine() -> None:
 async def test_embed_on_a_generate_only_engine_is_refused() -> None:
     engines = tv.ReferenceEngines(1, model="echo", extra_args=["--supported-tasks", "generate"])
     async with open_llm(engines) as llm:
-        with pytest.raises(tv.InvalidRequestError, match="Embedding API is not supported"):
+        # vLLM's LLM checks its runner first: a generate model is no pooling model
+        with pytest.raises(tv.InvalidRequestError, match="only supported for pooling models"):
             await llm.embed("hello")
+        with pytest.raises(tv.InvalidRequestError, match="only supported for pooling models"):
+            await llm.encode("hello")  # even without a pooling_task
+        assert llm.client.live_requests == []
         assert not llm.dead
 
 

@@ -7,7 +7,8 @@ of token ids and base64 must give the same vectors to 1e-5 and the same usage; t
 refusals (a mixed batch, ``dimensions``, a too-long input, an id outside the
 vocabulary, no input) the same status and type, and the same message where vLLM's is
 not a dump of pydantic's union errors. A generate-only server has no
-``/v1/embeddings`` on either side.
+``/v1/embeddings`` on either side, and ``llm.embed`` on a generate model is refused
+with the message of vLLM's ``LLM.embed``.
 """
 
 from __future__ import annotations
@@ -184,3 +185,60 @@ def test_llm_embed_matches_vllm_llm_embed(tmp_path: Any) -> None:
     for g, w in zip(got, reference["embeddings"], strict=True):
         assert g.prompt_token_ids == w["prompt_token_ids"]
         assert np.max(np.abs(np.asarray(g.outputs.embedding) - w["embedding"])) <= 1e-5
+
+
+_EMBED_ON_GENERATE = """
+import os, sys
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+from vllm import LLM
+llm = LLM(model=sys.argv[1], load_format="dummy", dtype="float32", max_model_len=256,
+          enforce_eager=True, max_num_seqs=8)
+try:
+    llm.embed(["hi"], use_tqdm=False)
+    message = "no refusal"
+except ValueError as exc:
+    message = str(exc)
+sys.stdout.write("@@RESULT@@" + message + "\\n")
+sys.stdout.flush()
+llm.llm_engine.engine_core.shutdown()
+"""
+
+
+def test_llm_embed_on_a_generate_model_is_refused_as_vllm() -> None:
+    """``llm.embed`` over a generate-only stock engine is refused with the message vLLM's
+    ``LLM.embed`` raises on a generate model, and nothing reaches the engine."""
+    import anyio
+
+    from trio_vllm import InvalidRequestError, VllmEngines
+    from trio_vllm.llm import open_llm
+
+    from .conftest import ENGINE_ARGS
+
+    python = vllm_python()
+    with vllm_lock():  # the script's engine is its child: it ends with the script
+        proc = subprocess.run(
+            [python, "-c", _EMBED_ON_GENERATE, str(TINY_MODEL)],
+            env={**os.environ, **ENGINE_ENV},
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = proc.stdout[proc.stdout.rindex("@@RESULT@@") + len("@@RESULT@@") :].strip()
+
+    async def ours() -> str:
+        engines = VllmEngines(str(TINY_MODEL), python=python, extra_args=ENGINE_ARGS,
+                              env=ENGINE_ENV)  # fmt: skip
+        async with open_llm(engines, model=TINY_MODEL, ready_timeout=800) as llm:
+            try:
+                await llm.embed(["hi"])
+            except InvalidRequestError as exc:
+                assert llm.client.live_requests == []
+                return str(exc)
+            return "no refusal"
+
+    with vllm_lock():
+        got = anyio.run(ours)
+    assert got == want
+    assert want.startswith("LLM.encode() is only supported for pooling models")

@@ -20,6 +20,7 @@ import msgspec
 
 from .._exceptions import InvalidRequestError
 from ..protocol import EngineCoreRequest, RequestOutputKind, SamplingParams
+from ..protocol.rules import POOLING_TASKS
 from ._stream import RequestOutputStream
 
 if TYPE_CHECKING:
@@ -304,6 +305,8 @@ class LLM:
     ) -> list[PoolingRequestOutput]:
         """Pool ``prompts`` (one, or a list) with the model: vLLM's ``LLM.encode``.
 
+        The engines must be a pooling model (``--runner pooling``: some pooling task
+        among their supported tasks), else `InvalidRequestError` with vLLM's message.
         ``pooling_task`` is required (``"embed"``, ``"token_embed"``, ``"classify"``,
         ``"token_classify"``) and must be one the engines run. Every prompt is tokenized
         and checked first (vLLM's messages, `InvalidRequestError`): nothing is sent
@@ -317,12 +320,18 @@ class LLM:
         """
         from ..text import internal_request_id, prepare_pooling, to_pooling_output
 
+        tasks = await self.supported_tasks()
+        if not POOLING_TASKS.intersection(tasks):
+            # vLLM's LLM checks its runner first: a generate model runs no pooling task.
+            raise InvalidRequestError(
+                "LLM.encode() is only supported for pooling models. Try passing "
+                "`--runner pooling` to use the model as a pooling model."
+            )
         if pooling_task is None:
             raise InvalidRequestError(
                 "pooling_task required for `LLM.encode`. Please use one of the more "
                 'specific methods or set the pooling_task: LLM.embed(...) or pooling_task="embed"'
             )
-        tasks = await self.supported_tasks()
         if pooling_task not in tasks:
             kind = "Embedding" if pooling_task in ("embed", "token_embed") else "Classification"
             convert = "embed" if kind == "Embedding" else "classify"
