@@ -146,7 +146,7 @@ _VALUES = st.recursive(
 _NAMES = {
     "completion": sorted({*CompletionRequest.__struct_fields__, *UNSUPPORTED_FIELDS}),
     "chat": sorted({*ChatCompletionRequest.__struct_fields__, *UNSUPPORTED_FIELDS}),
-    "embedding": sorted(EmbeddingRequest.__struct_fields__),
+    "embedding": sorted({*EmbeddingRequest.__struct_fields__, "normalize", "task"}),
 }
 
 

@@ -46,6 +46,8 @@ BAD: list[tuple[dict[str, Any], bool]] = [  # (body, whether the message must ma
     ({"input": [1, 600]}, True),
     ({"input": []}, True),
     ({"input": "hi", "model": "nope"}, True),
+    ({"input": 5, "normalize": True}, True),  # removed: refused before any field
+    ({"input": "hi", "task": "score"}, True),
 ]
 
 

@@ -27,7 +27,7 @@ from ._schemas import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionReque
 from ._structured import warn_removed_guided_fields
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
 __all__ = [
     "RequestKind",
@@ -120,14 +120,20 @@ def decode_body(
     fields: frozenset[str],
     content_type: bytes | None,
     body: bytes,
+    *,
+    check_raw: Callable[[Mapping[str, msgspec.Raw]], None] | None = None,
 ) -> tuple[T, dict[str, object]]:
     """A JSON body of any endpoint: its request struct (``decoder``'s) and the values of
     the keys not in ``fields``, which are logged as ignored (vLLM's ``extra="allow"``).
+    ``check_raw`` sees the top-level keys (values undecoded) before the fields are
+    decoded, as a pydantic ``BeforeValidator`` does, and may raise `HTTPError`.
 
     Raises `HTTPError` (400) for every malformed body and nothing else. Synchronous.
     """
     check_json(content_type)
     raw = decode_object(body)  # keys first: a non-object top level is its own 400
+    if check_raw is not None:
+        check_raw(raw)
     req = decode_struct(decoder, body)
     unknown = raw.keys() - fields
     extra: dict[str, object] = {k: decode_value(raw[k]) for k in unknown}

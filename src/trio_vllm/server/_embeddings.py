@@ -21,12 +21,12 @@ import msgspec
 import numpy as np
 
 from ..protocol import PoolingParams
-from ._decode import decode_body
+from ._decode import decode_body, decode_value
 from ._http import HTTPError
 from ._schemas import DECLARED_FIELDS
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     from ..protocol import LoRARequest
     from ..text import EmbeddingRequestOutput, Prompt
@@ -86,11 +86,29 @@ _REFUSED: Final = tuple(
 _ENDIAN: Final = {"native": "=", "little": "<", "big": ">"}
 
 
+def _removed_parameters(raw: Mapping[str, msgspec.Raw]) -> None:
+    # vLLM's reject_removed_pooling_parameters (a BeforeValidator: before any field).
+    if "normalize" in raw:
+        raise HTTPError(
+            "Parameter `normalize` was removed; use `use_activation` instead.", param="normalize"
+        )
+    task = decode_value(raw["task"]) if "task" in raw else None
+    if task == "score":
+        raise HTTPError("`score` task was removed; use `classify` instead.", param="task")
+    if task == "encode":
+        raise HTTPError(
+            "`encode` task was removed; use `token_embed` or `token_classify` instead.",
+            param="task",
+        )
+
+
 def decode_embedding_request(content_type: bytes | None, body: bytes) -> EmbeddingRequest:
     """The body through the server's one decode path (`decode_body`): `HTTPError` 400 in
     vLLM's shape for every malformed body, and 400 naming a refused field set to
-    anything but its default. Unknown keys are logged as ignored, as vLLM's are."""
-    req, _ = decode_body(DECODER, FIELDS, content_type, body)
+    anything but its default; the removed ``normalize`` (and ``task`` ``"score"`` or
+    ``"encode"``) get vLLM's 400 before any field is read. Unknown keys are logged as
+    ignored, as vLLM's are."""
+    req, _ = decode_body(DECODER, FIELDS, content_type, body, check_raw=_removed_parameters)
     for name, default in _REFUSED:
         if getattr(req, name) != default:
             raise HTTPError(f"`{name}` is not supported by trio-vllm serve.", param=name)
