@@ -119,7 +119,8 @@ async def test_embeddings_endpoint() -> None:
             status, body = await post(port, {"input": 5, "normalize": True})
             assert (status, body["error"]["param"]) == (400, "normalize")
             assert body["error"]["message"] == (
-                "Parameter `normalize` was removed; use `use_activation` instead."
+                "Parameter `normalize` was removed; use `use_activation` instead. "
+                "(parameter=normalize)"
             )
             status, body = await post(port, {"input": "x", "task": "encode"})
             assert (status, body["error"]["param"]) == (400, "task")

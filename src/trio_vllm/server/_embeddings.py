@@ -84,22 +84,25 @@ _REFUSED: Final = tuple(
     if DECLARED_FIELDS["embedding"][f.name] == "refused"
 )
 _ENDIAN: Final = {"native": "=", "little": "<", "big": ">"}
+_REMOVED_TASKS: Final = {  # vLLM's _REMOVED_POOLING_TASK_MESSAGES
+    "score": "`score` task was removed; use `classify` instead.",
+    "encode": "`encode` task was removed; use `token_embed` or `token_classify` instead.",
+}
 
 
 def _removed_parameters(raw: Mapping[str, msgspec.Raw]) -> None:
-    # vLLM's reject_removed_pooling_parameters (a BeforeValidator: before any field).
+    # vLLM's reject_removed_pooling_parameters (a BeforeValidator: before any field). Its
+    # VLLMValidationError escapes pydantic, so the message is str(exc), with the suffix.
+    message = None
     if "normalize" in raw:
-        raise HTTPError(
-            "Parameter `normalize` was removed; use `use_activation` instead.", param="normalize"
+        message, param = (
+            "Parameter `normalize` was removed; use `use_activation` instead.",
+            "normalize",
         )
-    task = decode_value(raw["task"]) if "task" in raw else None
-    if task == "score":
-        raise HTTPError("`score` task was removed; use `classify` instead.", param="task")
-    if task == "encode":
-        raise HTTPError(
-            "`encode` task was removed; use `token_embed` or `token_classify` instead.",
-            param="task",
-        )
+    elif "task" in raw:
+        message, param = _REMOVED_TASKS.get(str(decode_value(raw["task"]))), "task"
+    if message is not None:
+        raise HTTPError(f"{message} (parameter={param})", param=param)
 
 
 def decode_embedding_request(content_type: bytes | None, body: bytes) -> EmbeddingRequest:
