@@ -327,11 +327,6 @@ def plan_completion(
         )
     if req.suffix is not None:
         _refuse_suffix(req)
-    if req.echo and req.logprobs is not None:
-        raise HTTPError(
-            "`echo` with `logprobs` needs prompt logprobs, which trio-vllm serve does not support.",
-            param="echo",
-        )
     max_model_len = llm.max_model_len
     tokenizer = llm.tokenizer
     defaults = llm.sampling_defaults
@@ -339,6 +334,12 @@ def plan_completion(
     params: list[SamplingParams] = []
     echo_texts: list[str] = []
     echo_only = bool(req.echo) and req.max_tokens == 0
+    # vLLM's to_sampling_params: an echo without prompt_logprobs asks for `logprobs`
+    # prompt logprobs; they become the echoed prompt's logprobs (and the choice's
+    # prompt_logprobs, as vLLM's response carries them whenever the engine was asked)
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo:
+        prompt_logprobs = req.logprobs
     # vLLM's normalize_null_max_tokens: an explicit null is the default 16, so the
     # generation config's max_new_tokens never stands in for it (a cap still applies).
     requested = _COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
@@ -365,11 +366,12 @@ def plan_completion(
                 n=req.n,
                 max_tokens=1 if echo_only else max_tokens,
                 logprobs=req.logprobs,
-                prompt_logprobs=req.prompt_logprobs,
+                prompt_logprobs=prompt_logprobs,
                 structured_outputs=structured,
             )
         )
-        echo_texts.append(text)
+        # vLLM: with return_token_ids the echo is the prompt's ids, not its text
+        echo_texts.append("" if req.return_token_ids else text)
     request_id = f"cmpl-{base_request_id(header_request_id, req.request_id)}"
     include_usage, continuous = _usage_flags(req)
     return GenerationPlan(
@@ -386,7 +388,7 @@ def plan_completion(
         return_token_ids=bool(req.return_token_ids),
         echo_texts=echo_texts if req.echo else None,
         echo_only=echo_only,
-        prompt_logprobs=req.prompt_logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -704,11 +706,15 @@ class _Responder:
             child = res.outputs[0].index if res.outputs else 0
             self._prompt_lps.setdefault((prompt_idx, child), []).extend(res.prompt_logprobs)
 
+    def _prompt_steps(self, prompt_idx: int) -> list[Mapping[int, Logprob] | None]:
+        """The prompt logprobs kept for prompt ``prompt_idx`` (its first child's)."""
+        keys = sorted(k for k in self._prompt_lps if k[0] == prompt_idx)
+        return self._prompt_lps[keys[0]] if keys else []
+
     def _prompt_logprobs(self, prompt_idx: int) -> PromptLogprobsJSON | None:
         if self.plan.prompt_logprobs is None:
             return None
-        keys = sorted(k for k in self._prompt_lps if k[0] == prompt_idx)
-        return prompt_logprobs_json(self._prompt_lps[keys[0]] if keys else [])
+        return prompt_logprobs_json(self._prompt_steps(prompt_idx))
 
     def on_outputs(self, prompt_idx: int, outs: Sequence[RequestOutput]) -> bytes:
         """`on_output` of each output in turn: their SSE events, concatenated."""
@@ -770,12 +776,15 @@ class CompletionResponder(_Responder):
                 self._echoed[i] = True
                 ptext = plan.echo_texts[prompt_idx]
                 pids = plan.prompts[prompt_idx]["prompt_token_ids"]
+                # vLLM: the echoed prompt's logprobs are the prompt logprobs this
+                # output brought (its first), then the output's own
                 if plan.echo_only:
                     text, token_ids = ptext, pids
+                    steps = res.prompt_logprobs or []
                 else:
                     text, token_ids = ptext + out.text, [*pids, *out.token_ids]
-                steps = None
-                prompt_ids = pids if plan.return_token_ids else None
+                    steps = [*(res.prompt_logprobs or []), *(out.logprobs or [])]
+                prompt_ids = pids  # vLLM's echo chunk carries them, asked for or not
             elif plan.return_token_ids and not self._echoed[i]:
                 self._echoed[i] = True
                 prompt_ids = plan.prompts[prompt_idx]["prompt_token_ids"]
@@ -849,17 +858,18 @@ class CompletionResponder(_Responder):
             text = "".join(c.text)
             token_ids = c.token_ids
             pids = plan.prompts[prompt_idx]["prompt_token_ids"]
+            steps = c.logprob_steps
             if plan.echo_texts is not None:
                 ptext = plan.echo_texts[prompt_idx]
+                prompt_steps = self._prompt_steps(prompt_idx) if plan.logprobs is not None else []
                 if plan.echo_only:
-                    text, token_ids = ptext, pids
+                    text, token_ids, steps = ptext, pids, prompt_steps
                 else:
                     text, token_ids = ptext + text, [*pids, *token_ids]
+                    steps = [*prompt_steps, *steps]
             logprobs = None
             if plan.logprobs is not None:
-                logprobs = completion_logprobs(
-                    self.tokenizer, token_ids, c.logprob_steps, plan.logprobs, 0
-                )
+                logprobs = completion_logprobs(self.tokenizer, token_ids, steps, plan.logprobs, 0)
             choices.append(
                 CompletionResponseChoice(
                     i,
