@@ -63,8 +63,11 @@ def _outcome(kind: str, body: bytes, content_type: bytes | None = _JSON) -> int:
     refusal: HTTPError | None = None
     try:
         req, extra = decode_request(kind, content_type, body)  # type: ignore[arg-type]
-        plan = plan_completion if isinstance(req, CompletionRequest) else plan_chat
-        plan(req, _FRONTEND, model="m", header_request_id=None, extra=extra)  # type: ignore[arg-type]
+        if isinstance(req, CompletionRequest):
+            plan_completion(req, _FRONTEND, model="m", header_request_id=None, extra=extra)  # type: ignore[arg-type]
+        else:  # with --trust-request-chat-template: the request's templates run
+            plan_chat(req, _FRONTEND, model="m", header_request_id=None, extra=extra,  # type: ignore[arg-type]
+                      trust_request_chat_template=True)  # fmt: skip
     except HTTPError as exc:  # anything else fails the test
         refusal = exc
     if refusal is None:
@@ -229,7 +232,9 @@ async def test_nasty_bodies_through_the_server(
     deep = b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
     cases = [*NASTY, ("completion", deep)]
     with caplog.at_level(logging.INFO):
-        async with serving(frontend, max_body_bytes=200_000) as served:
+        async with serving(
+            frontend, max_body_bytes=200_000, trust_request_chat_template=True
+        ) as served:
             for kind, body in cases:
                 status, _, data = await _post(served, paths[kind], body)
                 assert status == 400, (body[:60], data[:200])

@@ -216,6 +216,7 @@ def _plan(kind: str, body: dict[str, Any]) -> GenerationPlan:
         header_request_id="fixed",
         extra=extra,
         tool_options=app.tool_options,
+        trust_request_chat_template=True,  # as --trust-request-chat-template
     )
 
 

@@ -413,6 +413,39 @@ def _refuse_suffix(req: CompletionRequest) -> None:
     )
 
 
+_UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+
+
+def request_chat_template(
+    chat_template: str | None,
+    chat_template_kwargs: Mapping[str, object] | None,
+    *,
+    trusted: bool,
+) -> tuple[str | None, dict[str, object] | None]:
+    """The template and template kwargs a chat request renders with, as vLLM's.
+
+    Its ``validate_chat_template``: a request's own template (``chat_template``, or
+    ``chat_template_kwargs["chat_template"]``) is an `HTTPError` 400 unless the server
+    trusts them (``--trust-request-chat-template``): the template is code the server
+    would run. A trusted ``chat_template_kwargs["chat_template"]`` is the template when
+    ``chat_template`` is not given (vLLM's ``get_apply_chat_template_kwargs`` lets the
+    field override the kwarg), and leaves the kwargs."""
+    kwargs = None if chat_template_kwargs is None else dict(chat_template_kwargs)
+    in_kwargs = kwargs.get("chat_template") if kwargs else None
+    if not trusted and (chat_template is not None or in_kwargs is not None):
+        raise HTTPError(_UNTRUSTED_TEMPLATE)
+    # a null one is no template (vLLM renders with the model's); another non-string
+    # type stays, for the renderer to refuse
+    if kwargs and "chat_template" in kwargs and (in_kwargs is None or isinstance(in_kwargs, str)):
+        del kwargs["chat_template"]
+        if chat_template is None:
+            chat_template = in_kwargs
+    return chat_template, kwargs
+
+
 def plan_chat(
     req: ChatCompletionRequest,
     llm: TextFrontend,
@@ -421,8 +454,10 @@ def plan_chat(
     header_request_id: str | None,
     extra: Mapping[str, object],
     tool_options: ToolOptions = ToolOptions(),  # noqa: B008 - frozen, immutable
+    trust_request_chat_template: bool = False,
 ) -> GenerationPlan:
-    """Check a chat request and render its messages; `HTTPError` if bad."""
+    """Check a chat request and render its messages; `HTTPError` if bad (a request's own
+    chat template unless ``trust_request_chat_template``, as vLLM)."""
     n = 1 if req.n is None else req.n
     limits = _limits(llm.max_model_len)
     _common_checks(req, extra, limits)
@@ -433,6 +468,10 @@ def plan_chat(
     top = 0 if req.top_logprobs is None else req.top_logprobs
     check_tools(req, tool_options)
     tool_choice = tool_choice_of(req)
+    # vLLM checks the template's trust after the tool checks, before rendering
+    chat_template, chat_template_kwargs = request_chat_template(
+        req.chat_template, req.chat_template_kwargs, trusted=trust_request_chat_template
+    )
     if req.continue_final_message:
         raise HTTPError(
             "`continue_final_message` is not supported by trio-vllm serve.",
@@ -452,8 +491,8 @@ def plan_chat(
         text, ids = llm.render_chat(
             req.messages,
             add_generation_prompt=req.add_generation_prompt,
-            chat_template=req.chat_template,
-            chat_template_kwargs=req.chat_template_kwargs,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
             tools=req.tools,
         )
     except ValueError as exc:  # InvalidRequestError included
