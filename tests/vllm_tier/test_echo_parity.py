@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from .test_serve_parity import SERVED
-from .test_tokens_parity import _assert_close, _error, _plp, serve_pair
+from ._servers import SERVED, serve_pair
+from .test_tokens_parity import _assert_close, _error, _plp
 
 pytestmark = pytest.mark.timeout(1500)
 

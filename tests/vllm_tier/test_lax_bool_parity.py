@@ -15,8 +15,7 @@ import pytest
 
 from server.test_lax_bools import LAX_BOOLS
 
-from .test_serve_parity import SERVED
-from .test_tokens_parity import serve_pair
+from ._servers import SERVED, serve_pair
 
 pytestmark = pytest.mark.timeout(1500)
 

@@ -22,9 +22,8 @@ from trio_vllm.client import VllmEngines
 from trio_vllm.protocol import LoRARequest, SamplingParams
 from trio_vllm.testing import write_lora_adapter
 
+from ._servers import SERVED, serve_pair, vllm_lock
 from .conftest import ENGINE_ARGS, ENGINE_ENV, TINY_MODEL, vllm_python
-from .test_serve_parity import SERVED
-from .test_tokens_parity import serve_pair, vllm_lock
 
 if TYPE_CHECKING:
     from pathlib import Path
