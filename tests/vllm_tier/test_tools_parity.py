@@ -18,8 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import TINY_MODEL
-from .test_serve_parity import SERVED, serve_both
+from ._servers import SERVED, serve_pair
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -111,7 +110,7 @@ def _run(port: int) -> list[dict[str, Any]]:
 
 
 def test_hermes_tool_requests_match_vllm_serve() -> None:
-    expected, got = serve_both(TINY_MODEL, _run, FLAGS)
+    expected, got = serve_pair(_run, server_args=FLAGS)
     for body, want, have in zip(CASES, expected, got, strict=True):
         assert have == want, body
     # not vacuous: text came out, and the bad requests were refused

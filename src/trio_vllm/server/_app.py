@@ -131,6 +131,10 @@ class OpenAIServer:
             ``generate``, ``/v1/embeddings`` with ``embed``; the others answer 404).
         tool_options: ``--enable-auto-tool-choice``, ``--tool-call-parser`` and
             ``--reasoning-parser`` as `ToolOptions` (default: none of them, as vllm serve).
+        trust_request_chat_template: ``--trust-request-chat-template``: accept a
+            request's own ``chat_template`` (or ``chat_template_kwargs["chat_template"]``)
+            on ``/v1/chat/completions`` and ``/tokenize``; without it such a request
+            gets vLLM's 400 (a template is code the server runs).
 
     The app is safe to call concurrently from any number of connections; on trio and
     on asyncio. `mark_dead` (the runner calls it when the engines die) turns
@@ -151,6 +155,7 @@ class OpenAIServer:
         tool_options: ToolOptions | None = None,
         lora_modules: Sequence[LoRAModulePath] = (),
         allow_runtime_lora_updating: bool | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
@@ -166,6 +171,7 @@ class OpenAIServer:
         self.fingerprint = system_fingerprint
         self.merge_outputs = merge_outputs
         self.tool_options = tool_options if tool_options is not None else ToolOptions()
+        self.trust_request_chat_template = trust_request_chat_template
         self.metrics = ServerMetrics(names[0])
         self.port: int | None = None  # set by the runner once the socket listens
         self._dead = False
@@ -426,7 +432,9 @@ class OpenAIServer:
             else:
                 treq = decode_tokenize_request(body)
                 self._check_model(treq.model)
-                answer = tokenize_response(self.llm, treq)
+                answer = tokenize_response(
+                    self.llm, treq, trust_request_chat_template=self.trust_request_chat_template
+                )
         except HTTPError as exc:
             await send_error(send, exc)
             return exc.status
@@ -469,6 +477,7 @@ class OpenAIServer:
                     header_request_id=rid,
                     extra=extra,
                     tool_options=self.tool_options,
+                    trust_request_chat_template=self.trust_request_chat_template,
                 )
             )
         except HTTPError as exc:
