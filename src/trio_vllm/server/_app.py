@@ -769,5 +769,7 @@ def _as_http_error(exc: BaseException) -> HTTPError:
     if isinstance(exc, GenerationError):
         return HTTPError(str(exc), 500, err_type="InternalServerError")
     if isinstance(exc, InvalidRequestError):
-        return HTTPError(str(exc), param=exc.param)  # a request rule's verdict
+        # A request rule's verdict. vLLM's create_error_response strips every message
+        # (sanitize_message): llguidance's grammar errors end with a newline.
+        return HTTPError(str(exc).strip(), param=exc.param)
     return HTTPError(str(exc))
