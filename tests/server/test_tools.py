@@ -62,11 +62,108 @@ def test_tool_requests_are_checked_as_vllm(
     assert message in str(_error(options, **fields))
 
 
-def test_required_and_named_are_refused_until_structured_outputs() -> None:
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        assert "not supported by trio-vllm serve yet" in str(
-            _error(HERMES, tools=[TOOL], tool_choice=choice)
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+PYTHONIC = ToolOptions(enable_auto_tool_choice=True, tool_call_parser="pythonic")
+
+
+def test_required_and_named_send_the_tools_grammar() -> None:
+    """The plan carries the constraint (test_tool_choice.py checks its every byte
+    against vLLM's), over any response_format of the request."""
+    for choice in ("required", NAMED):
+        (params,) = _plan(
+            HERMES, tools=[TOOL], tool_choice=choice, response_format={"type": "json_object"}
+        ).params
+        so = params.structured_outputs
+        assert so is not None
+        assert so.json_object is None
+        assert json.loads(so.structural_tag or "")["format"]["type"] == "tags_with_separator"
+    (params,) = _plan(PYTHONIC, tools=[TOOL], tool_choice=NAMED).params
+    assert params.structured_outputs is not None
+    assert params.structured_outputs.json == {"type": "object", "properties": {}}
+    # auto and none leave the request's own constraint alone
+    for choice in ("auto", "none"):
+        (params,) = _plan(
+            HERMES, tools=[TOOL], tool_choice=choice, response_format={"type": "json_object"}
+        ).params
+        assert params.structured_outputs is not None
+        assert params.structured_outputs.json_object is True
+    assert "not supported by trio-vllm" in str(
+        _error(
+            HERMES,
+            tools=[TOOL],
+            parallel_tool_calls=False,
+            response_format={"type": "json_object"},
         )
+    )
+
+
+def _full(plan: Any, texts: list[str], finish: str = "stop") -> dict[str, Any]:
+    responder = ChatResponder(plan, _Frontend.tokenizer, None)
+    for out in _outputs(texts, finish):
+        responder.on_output(0, out)
+    (choice,) = json.loads(responder.finish())["choices"]
+    return choice  # type: ignore[no-any-return]
+
+
+def test_required_and_named_responses_in_vllms_shapes() -> None:
+    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    # required: the calls, content "" (not null), finish reason tool_calls on a stop
+    choice = _full(_plan(HERMES, tools=[TOOL], tool_choice="required"), [CALL])
+    assert choice["message"]["content"] == ""
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [call]
+    assert choice["finish_reason"] == "tool_calls"
+    # cut short: hermes reads no call, the text stays content (vLLM's)
+    choice = _full(_plan(HERMES, tools=[TOOL], tool_choice="required"), [CALL[:20]], "length")
+    assert choice["message"]["content"] == CALL[:20]
+    assert "tool_calls" not in choice["message"]  # vLLM drops an empty list
+    choice = _full(_plan(HERMES, tools=[TOOL], tool_choice="required"), [" "], "length")
+    assert choice["message"]["content"] == ""
+    assert choice["finish_reason"] == "length"
+    # named: the engine's finish reason
+    choice = _full(_plan(HERMES, tools=[TOOL], tool_choice=NAMED), [CALL])
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [call]
+    assert choice["finish_reason"] == "stop"
+    # pythonic reads the schema's shapes: a named tool's arguments, a required array
+    choice = _full(_plan(PYTHONIC, tools=[TOOL], tool_choice=NAMED), ['{"city": "Paris"}'])
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [call]
+    one = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    two = f"[{one}, {one}]"
+    choice = _full(_plan(PYTHONIC, tools=[TOOL], tool_choice="required"), [two])
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [call, call]
+    # parallel_tool_calls false keeps the first call only
+    plan = _plan(PYTHONIC, tools=[TOOL], tool_choice="required", parallel_tool_calls=False)
+    assert [c["function"] for c in _full(plan, [two])["message"]["tool_calls"]] == [call]
+
+
+def _streamed(plan: Any, texts: list[str]) -> list[dict[str, Any]]:
+    responder = ChatResponder(plan, _Frontend.tokenizer, None)
+    body = b"".join(responder.on_output(0, o) for o in _outputs(texts)) + responder.finish()
+    return [e["choices"][0] for e in _events(body)]
+
+
+def test_required_and_named_streamed() -> None:
+    choices = _streamed(
+        _plan(PYTHONIC, stream=True, tools=[TOOL], tool_choice=NAMED), ['{"city"', ': "Paris"}']
+    )
+    first, second = (c["delta"]["tool_calls"] for c in choices[1:3])
+    assert first[0]["function"] == {"name": "get_weather", "arguments": '{"city"'}
+    assert first[0]["id"].startswith("chatcmpl-tool-")
+    assert second == [{"index": 0, "function": {"arguments": ': "Paris"}'}}]
+    assert choices[-1]["finish_reason"] == "stop"  # named: not tool_calls
+    texts = ['[{"name": "get_weather", "parameters": ', '{"city": "Paris"}}, ', '{"name": "get_',
+             'weather", "parameters": {}}]']  # fmt: skip
+    choices = _streamed(_plan(PYTHONIC, stream=True, tools=[TOOL], tool_choice="required"), texts)
+    calls = [c for ch in choices for c in ch["delta"].get("tool_calls", [])]
+    assert [c["index"] for c in calls] == [0, 1]  # each announced once its value began
+    assert "".join(c["function"]["arguments"] for c in calls if c["index"] == 0) == (
+        '{"city": "Paris"}'
+    )
+    assert choices[-1]["finish_reason"] == "tool_calls"
+    plan = _plan(
+        PYTHONIC, stream=True, tools=[TOOL], tool_choice="required", parallel_tool_calls=False
+    )
+    calls = [c for ch in _streamed(plan, texts) for c in ch["delta"].get("tool_calls", [])]
+    assert {c["index"] for c in calls} == {0}
 
 
 def test_flags_are_checked_as_vllm_serve_does() -> None:
@@ -126,7 +223,7 @@ def test_a_tool_call_in_the_full_response() -> None:
     (choice,) = json.loads(responder.finish())["choices"]
     assert choice["finish_reason"] == "stop"
     assert choice["message"]["content"] == "Let me check." + CALL
-    assert choice["message"]["tool_calls"] == []
+    assert "tool_calls" not in choice["message"]  # vLLM drops an empty list
 
 
 def test_streamed_tool_call_deltas_in_vllms_shapes() -> None:

@@ -113,7 +113,7 @@ def _chains(tokenizer: object, to_data: object) -> dict[str, object]:
             request = ChatCompletionRequest(
                 messages=[{"role": "user", "content": "q"}],
                 tools=parser_cases.CHAIN_TOOLS,
-                tool_choice=choice,
+                tool_choice=parser_cases.chain_choice(choice),
             )
             parser = cls(tokenizer, request.tools, chat_template_kwargs={})  # type: ignore[operator]
             return Chain(parser, request)

@@ -79,7 +79,7 @@ def ours_chain(reasoning: str, tool: str, choice: str, deltas: list[str]) -> dic
             if reasoning
             else None,
             tool_parser_class(tool)(tokenizer, parser_cases.CHAIN_TOOLS) if tool else None,
-            tool_choice=choice,
+            tool_choice=parser_cases.chain_choice(choice),
             enable_auto_tools=True,
         )
 

@@ -127,6 +127,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
 
 
 FieldSupport = Literal["implemented", "accepted", "refused"]
@@ -198,6 +199,7 @@ DECLARED_FIELDS["chat"].update(
     chat_template_kwargs="implemented",
     tools="implemented",
     tool_choice="implemented",
+    parallel_tool_calls="implemented",  # server/_tools.py: the grammar, then the calls kept
 )
 
 #: Fields of vLLM's request models that trio-vllm does not declare, with the values it
@@ -337,7 +339,8 @@ class ChatResponseMessage(Struct):
     annotations: None = None
     audio: None = None
     function_call: None = None
-    tool_calls: list[Any] = msgspec.field(default_factory=list)
+    # vLLM's ChatMessage serializer drops an empty tool_calls.
+    tool_calls: list[Any] | UnsetType = UNSET
     reasoning: str | None = None
 
 

@@ -7,9 +7,13 @@ chat template; parsers that need the model's markup tokens turn
 ``skip_special_tokens`` off, as their ``adjust_request`` does. Responses: each choice
 runs through a `ChatOutputParser` (the text layer's port of vLLM's serving-side
 parser): ``reasoning``, ``content`` and ``tool_calls`` of the message or of each
-streamed delta, finish reason ``tool_calls`` when the parser found calls.
-``tool_choice`` ``required`` and named need a JSON-schema structured output vLLM
-derives from the tools; trio-vllm serve refuses them with a 400 until it has one.
+streamed delta, finish reason ``tool_calls`` when the parser found calls (for
+``required`` too; a named tool's choice keeps the engine's reason, as in vLLM).
+``tool_choice`` ``required`` and named (and ``auto`` with a strict tool or
+``parallel_tool_calls: false``) constrain the output with the structured output vLLM
+derives from the tools (`trio_vllm.text.tools.tool_choice_constraint`: a structural
+tag for ``hermes``/``llama3_json``, a JSON schema for ``pythonic``);
+``parallel_tool_calls: false`` also keeps only the first call of a response.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ def tool_choice_of(req: ChatCompletionRequest) -> str | dict[str, Any] | None:
 def check_tools(req: ChatCompletionRequest, options: ToolOptions) -> None:
     """vLLM's checks of ``tools`` and ``tool_choice`` (its protocol validator, then its
     renderer), with its messages; `HTTPError` (400)."""
+
     if req.tools == []:
         raise HTTPError(
             "`tools` must not be an empty array. "
@@ -143,19 +148,20 @@ def check_tools(req: ChatCompletionRequest, options: ToolOptions) -> None:
                 else (f'"{choice}"')
             )
             raise HTTPError(f"tool_choice={desc} requires --tool-call-parser to be set")
-    if choice == "required" or isinstance(choice, dict):
-        raise HTTPError(
-            "tool_choice required and named tools are not supported by trio-vllm serve yet "
-            "(they need a JSON-schema structured output).",
-            param="tool_choice",
-        )
 
 
 def skip_special_tokens(req: ChatCompletionRequest, options: ToolOptions, choice: object) -> bool:
     """The request's ``skip_special_tokens`` after the parsers' ``adjust_request``:
-    off for a tool parser when tools are used (markers may be special tokens), and
-    always for the engine-based ``qwen3`` reasoning parser."""
-    if options.active_tool_parser is not None and req.tools and choice != "none":
+    off for a tool parser that turns it off (``hermes``: its markers may be special
+    tokens) when tools are used, and always for the engine-based ``qwen3`` reasoning
+    parser."""
+    active = options.active_tool_parser
+    if (
+        active is not None
+        and tool_parser_class(active).keeps_special_tokens
+        and req.tools
+        and choice != "none"
+    ):
         return False
     if options.reasoning_parser == "qwen3":
         return False
@@ -181,6 +187,10 @@ class ChoiceParsers:
         except RuntimeError as exc:  # the model's vocabulary lacks the parser's markers
             raise HTTPError(str(exc)) from None
         self.tools_streamed = [False] * n
+        self.named = isinstance(choice, dict)
+        self.forced = self.named or choice == "required"
+        # vLLM's maybe_filter_parallel_tool_calls: only an explicit false keeps one call.
+        self.single_call = req.parallel_tool_calls is False
 
     def _build(
         self,
@@ -206,21 +216,35 @@ class ChoiceParsers:
                 ChatOutputParser(
                     reasoning,
                     tool,
-                    tool_choice=choice if isinstance(choice, str) or choice is None else None,
+                    tool_choice=choice,
                     enable_auto_tools=options.enable_auto_tool_choice,
                 )
             )
 
     def message(
-        self, i: int, text: str
-    ) -> tuple[str | None, str | None, list[dict[str, Any]], bool]:
-        """``(reasoning, content, tool_calls, auto_tools_called)`` of choice ``i``'s
-        complete text (vLLM's full-response branches for none/auto)."""
+        self, i: int, text: str, finish_reason: str | None
+    ) -> tuple[str | None, str | None, list[dict[str, Any]], str]:
+        """``(reasoning, content, tool_calls, finish_reason)`` of choice ``i``'s
+        complete text (vLLM's chat_completion_full_generator branches)."""
         reasoning, content, calls = self.parsers[i].parse(text)
-        auto = self.tool_choice in ("auto", None) and self.options.active_tool_parser is not None
-        if not auto or not calls:
-            return reasoning, content, [], False
-        return reasoning, content, [_tool_call(c) for c in calls], True
+        reason = finish_reason or "stop"
+        tools: list[dict[str, Any]] = []
+        if self.forced:
+            # vLLM: content "" rather than null, and every call the parser read.
+            content = content or ""
+            tools = [_tool_call(c) for c in calls or ()]
+            if self.tool_choice == "required" and finish_reason == "stop":
+                reason = "tool_calls"
+        elif (
+            self.tool_choice in ("auto", None)
+            and self.options.active_tool_parser is not None
+            and calls
+        ):
+            tools = [_tool_call(c) for c in calls]
+            reason = "tool_calls"
+        if self.single_call:
+            tools = tools[:1]
+        return reasoning, content, tools, reason
 
     def delta(
         self, i: int, text: str, token_ids: list[int], prompt_ids: list[int], finished: bool
@@ -229,11 +253,14 @@ class ChoiceParsers:
         message = self.parsers[i].parse_delta(text, token_ids, prompt_ids, finished=finished)
         if message is not None and message.tool_calls:
             self.tools_streamed[i] = True
+            if self.single_call:  # vLLM filters after counting the call as streamed
+                message.tool_calls = [c for c in message.tool_calls if c.index == 0]
         return message
 
     def finish_reason(self, i: int, reason: str | None) -> str:
-        """``tool_calls`` for a choice that streamed calls and stopped (vLLM)."""
-        if self.tools_streamed[i] and reason == "stop":
+        """``tool_calls`` for a choice that streamed calls and stopped, unless a named
+        tool was forced (vLLM)."""
+        if self.tools_streamed[i] and not self.named and reason == "stop":
             return "tool_calls"
         return reason or "stop"
 
