@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from trio_vllm.server import ToolOptions
+from trio_vllm.server import OpenAIServer, ToolOptions
 from trio_vllm.server._http import HTTPError
 from trio_vllm.server._openai import ChatResponder, plan_chat
 from trio_vllm.server._schemas import ChatCompletionRequest
@@ -166,6 +166,25 @@ def test_required_and_named_streamed() -> None:
     assert {c["index"] for c in calls} == {0}
 
 
+def test_validator_errors_name_their_parameter_as_vllm_prints_them() -> None:
+    """vLLM's request model raises VLLMValidationError(parameter=...): its str() ends
+    with " (parameter=...)", and the 400's param is that parameter."""
+    for fields, param in (
+        ({"tools": []}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice.function"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+         "tool_choice"),
+    ):  # fmt: skip
+        error = _error(HERMES, **fields)
+        assert error.message.endswith(f" (parameter={param})"), error.message
+        assert error.param == param
+    # the renderer's checks name none
+    error = _error(ToolOptions(), tools=[TOOL])
+    assert "(parameter=" not in error.message
+    assert error.param is None
+
+
 def test_flags_are_checked_as_vllm_serve_does() -> None:
     with pytest.raises(ValueError, match="requires --tool-call-parser"):
         ToolOptions(enable_auto_tool_choice=True)
@@ -235,6 +254,8 @@ def test_streamed_tool_call_deltas_in_vllms_shapes() -> None:
     assert deltas[0] == {"role": "assistant", "content": ""}
     assert deltas[1] == {"content": "Let me check."}
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    # hermes sets content (None while in a call): vLLM's exclude_unset sends the null
+    assert all(d["content"] is None for d in deltas if "tool_calls" in d)
     assert calls[0]["type"] == "function"
     assert calls[0]["function"] == {"name": "get_weather"}
     assert calls[0]["index"] == 0
@@ -313,3 +334,49 @@ def test_a_tool_parser_without_auto_tool_choice_is_inactive_as_in_vllm() -> None
     plan = _plan(options, tools=[TOOL], tool_choice="none")
     assert plan.parsers is None
     assert plan.params[0].skip_special_tokens
+
+
+# vllm serve's startup errors on tiny-llama's tokenizer, as vLLM 0.32's
+# ParserManager.get_parser(..., tokenizer=...) words them (run in vLLM's python).
+_VLLM_STARTUP = {
+    ("mistral", None): "--tool-call-parser mistral cannot be used with the tokenizer of '/m': "
+    "Mistral parser could not locate the tool call token in the tokenizer!",
+    ("llama3_json", None): "--tool-call-parser llama3_json cannot be used with the tokenizer "
+    "of '/m': Llama3JsonToolParser could not locate the bot token '<|python_tag|>' in the "
+    "tokenizer.",
+    (None, "deepseek_r1"): "--reasoning-parser deepseek_r1 cannot be used with the tokenizer "
+    "of '/m': DeepSeekR1ReasoningParser reasoning parser could not locate think start/end "
+    "tokens in the tokenizer!",
+    ("llama3_json", "deepseek_r1"): "--tool-call-parser llama3_json and --reasoning-parser "
+    "deepseek_r1 cannot be used with the tokenizer of '/m': DeepSeekR1ReasoningParser "
+    "reasoning parser could not locate think start/end tokens in the tokenizer!",
+}
+
+
+@pytest.mark.parametrize(("tool", "reasoning"), sorted(_VLLM_STARTUP, key=str))
+def test_a_parser_the_tokenizer_cannot_serve_stops_startup_as_vllm(
+    tool: str | None, reasoning: str | None
+) -> None:
+    options = ToolOptions(
+        enable_auto_tool_choice=tool is not None, tool_call_parser=tool, reasoning_parser=reasoning
+    )
+    with pytest.raises(ValueError, match="cannot be used with the tokenizer") as info:
+        options.check_tokenizer(_Frontend.tokenizer, "/m")
+    assert str(info.value) == _VLLM_STARTUP[tool, reasoning]
+    with pytest.raises(ValueError, match="cannot be used with the tokenizer"):
+        OpenAIServer(_Frontend(), tool_options=options)  # type: ignore[arg-type]
+
+
+def test_mistral_is_known_but_not_ported() -> None:
+    """A tokenizer with Mistral's [TOOL_CALLS] token: vLLM would run its mistral parser;
+    trio-vllm has not ported it and refuses to start, saying so. Without
+    --enable-auto-tool-choice vLLM builds no tool parser, and neither do we."""
+
+    class _MistralTokenizer(_ThinkTokenizer):
+        ids: ClassVar[dict[str, int]] = {"[TOOL_CALLS]": 5}
+
+    options = ToolOptions(enable_auto_tool_choice=True, tool_call_parser="mistral")
+    with pytest.raises(ValueError, match=r"mistral is not supported by trio-vllm: vLLM 0\.32"):
+        options.check_tokenizer(_MistralTokenizer(), "/m")
+    ToolOptions(tool_call_parser="mistral").check_tokenizer(_Frontend.tokenizer, "/m")
+    HERMES.check_tokenizer(_Frontend.tokenizer, "/m")  # hermes needs no marker token

@@ -191,14 +191,19 @@ REASONING_CASES: list[tuple[str, str, list[str]]] = [
 
 
 def _plain(value: Any) -> Any:
-    """A parser result as JSON data: ``None`` fields and empty ``tool_calls`` dropped,
-    each tool-call id replaced by ``"<id>"`` once checked to be vLLM-shaped."""
+    """A parser result as JSON data: empty ``tool_calls`` dropped (vLLM's serializer
+    drops them), each tool-call id replaced by ``"<id>"`` once checked to be
+    vLLM-shaped. ``None`` values stay: in a streamed delta they are the fields a parser
+    set to ``null`` (the ``to_data`` of each side leaves out the unset ones)."""
     if isinstance(value, dict):
         out = {}
         for key, item in value.items():
-            if item is None or (key == "tool_calls" and item == []):
+            if key == "tool_calls" and item == []:
                 continue
             if key == "id" and isinstance(item, str):
+                if item is None:
+                    out[key] = None
+                    continue
                 if not item.startswith("chatcmpl-tool-"):
                     raise AssertionError(f"tool call id {item!r}")
                 item = "<id>"

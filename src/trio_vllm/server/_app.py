@@ -127,6 +127,8 @@ class OpenAIServer:
             completions request with a list of prompts is merged per prompt either way.
         tool_options: ``--enable-auto-tool-choice``, ``--tool-call-parser`` and
             ``--reasoning-parser`` as `ToolOptions` (default: none of them, as vllm serve).
+            Raises `ValueError` with vLLM's startup message when a parser cannot work
+            with the model's tokenizer (`ToolOptions.check_tokenizer`).
 
     The app is safe to call concurrently from any number of connections; on trio and
     on asyncio. `mark_dead` (the runner calls it when the engines die) turns
@@ -161,6 +163,9 @@ class OpenAIServer:
         self.fingerprint = system_fingerprint
         self.merge_outputs = merge_outputs
         self.tool_options = tool_options if tool_options is not None else ToolOptions()
+        # vLLM builds the parsers at startup and refuses to start if the tokenizer
+        # lacks what they need.
+        self.tool_options.check_tokenizer(llm.tokenizer, llm.model_name)
         self.metrics = ServerMetrics(names[0])
         self.port: int | None = None  # set by the runner once the socket listens
         self._dead = False

@@ -372,9 +372,10 @@ class ChatCompletionResponse(Struct):
 
 
 class ChatDelta(Struct):
+    # None is sent as null: a parser set it (vLLM's exclude_unset keeps it).
     role: str | UnsetType = UNSET
-    content: str | UnsetType = UNSET
-    reasoning: str | UnsetType = UNSET
+    content: str | UnsetType | None = UNSET
+    reasoning: str | UnsetType | None = UNSET
     tool_calls: list[Any] | UnsetType = UNSET
 
 

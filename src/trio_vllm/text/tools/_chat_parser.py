@@ -240,7 +240,7 @@ class ChatOutputParser:
             self.tool_parser is not None
             and message is not None
             and message.tool_calls
-            and (last := message.tool_calls[-1]).function is not None
+            and (last := message.tool_calls[-1]).function  # vLLM: set, not None
         ):
             last.function.arguments = (
                 last.function.arguments or ""
