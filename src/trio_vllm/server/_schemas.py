@@ -141,6 +141,7 @@ FieldSupport = Literal["implemented", "accepted", "refused"]
 DECLARED_FIELDS: dict[str, dict[str, FieldSupport]] = {
     "completion": {},
     "chat": {},
+    "embedding": {},  # server/_embeddings.py's EmbeddingRequest
 }
 _SHARED_SUPPORT: dict[str, FieldSupport] = {
     "model": "implemented",
@@ -200,6 +201,25 @@ DECLARED_FIELDS["chat"].update(
     tools="implemented",
     tool_choice="implemented",
     parallel_tool_calls="implemented",  # server/_tools.py: the grammar, then the calls kept
+)
+DECLARED_FIELDS["embedding"].update(
+    # vLLM 0.32.0's EmbeddingCompletionRequest, every field
+    input="implemented",
+    model="implemented",
+    encoding_format="implemented",  # float and base64; the bytes formats get their own 400
+    dimensions="implemented",  # POOLING rules: refused as vLLM refuses it
+    user="accepted",
+    use_activation="implemented",
+    add_special_tokens="implemented",
+    embed_dtype="refused",  # float32 only
+    endianness="implemented",
+    request_id="implemented",
+    padding="refused",
+    truncate_prompt_tokens="refused",
+    truncation_side="refused",
+    priority="refused",
+    mm_processor_kwargs="refused",
+    cache_salt="refused",
 )
 
 #: Fields of vLLM's request models that trio-vllm does not declare, with the values it
