@@ -17,12 +17,15 @@ Parsing of free tool-call text is the parser table's job (tests/text/test_parser
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 
-from .conftest import TINY_MODEL
+from .conftest import TINY_MODEL, vllm_python
 from .test_serve_parity import SERVED, serve_both
 from .test_tokens_parity import vllm_lock
 
@@ -233,3 +236,22 @@ def test_pythonic_required_and_named_match_vllm_serve() -> None:
     _compare(PYTHONIC_CASES, expected, got)
     summaries = [summary for summary, _ in expected]
     assert any(c["tool_calls"] for r in summaries[:5] for c in r["choices"])
+
+
+def test_the_recorded_tool_constraints_are_vllms_answer() -> None:
+    """tests/server/data/tool_constraints.json (what the default suite checks ours
+    against) is what vLLM 0.32 answers now, in its own python (no engine)."""
+    script = Path(__file__).parents[1] / "server" / "tool_constraints_vllm.py"
+    proc = subprocess.run(
+        [vllm_python(), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answer = json.loads(proc.stdout[proc.stdout.rindex("@@RESULT@@") + len("@@RESULT@@") :])
+    recorded = json.loads(script.with_name("data").joinpath("tool_constraints.json").read_text())
+    assert answer == recorded
+    assert json.dumps(answer) == json.dumps(recorded)  # key order too
