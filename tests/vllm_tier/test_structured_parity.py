@@ -17,7 +17,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -36,8 +36,19 @@ from .conftest import ENGINE_ARGS, ENGINE_ENV, EXPECTED_GREEDY, TINY_MODEL, vllm
 from .llm_reference import request_output_json
 from .test_serve_parity import _summary
 from .test_text_frontend_parity import _json, _vllm_side
+from .test_tokens_parity import vllm_lock
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 pytestmark = pytest.mark.timeout(1800)
+
+
+@pytest.fixture(autouse=True)
+def _one_stock_vllm_at_a_time() -> Iterator[None]:
+    with vllm_lock():  # every test here starts a stock engine or server
+        yield
+
 
 OUR_ENGINE_ARGS = [a for a in ENGINE_ARGS if a != "--skip-tokenizer-init"]
 _P = "/v1/completions"

@@ -126,7 +126,10 @@ def add_parser(commands: Any) -> None:
         "--tool-call-parser",
         default=None,
         metavar="NAME",
-        help="the model's tool-call format: hermes, llama3_json or pythonic",
+        help=(
+            "the model's tool-call format: hermes, llama3_json or pythonic "
+            "(mistral: refused, not ported)"
+        ),
     )
     t.add_argument(
         "--reasoning-parser",

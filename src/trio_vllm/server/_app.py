@@ -131,6 +131,8 @@ class OpenAIServer:
             ``generate``, ``/v1/embeddings`` with ``embed``; the others answer 404).
         tool_options: ``--enable-auto-tool-choice``, ``--tool-call-parser`` and
             ``--reasoning-parser`` as `ToolOptions` (default: none of them, as vllm serve).
+            Raises `ValueError` with vLLM's startup message when a parser cannot work
+            with the model's tokenizer (`ToolOptions.check_tokenizer`).
         trust_request_chat_template: ``--trust-request-chat-template``: accept a
             request's own ``chat_template`` (or ``chat_template_kwargs["chat_template"]``)
             on ``/v1/chat/completions`` and ``/tokenize``; without it such a request
@@ -172,6 +174,9 @@ class OpenAIServer:
         self.merge_outputs = merge_outputs
         self.tool_options = tool_options if tool_options is not None else ToolOptions()
         self.trust_request_chat_template = trust_request_chat_template
+        # vLLM builds the parsers at startup and refuses to start if the tokenizer
+        # lacks what they need.
+        self.tool_options.check_tokenizer(llm.tokenizer, llm.model_name)
         self.metrics = ServerMetrics(names[0])
         self.port: int | None = None  # set by the runner once the socket listens
         self._dead = False
@@ -330,37 +335,18 @@ class OpenAIServer:
         return 200
 
     async def _models(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        base = self.model_root or self.model_names[0]
         cards = [
-            ModelCard(
-                id=name,
-                object="model",
-                created=self._created,
-                owned_by="vllm",
-                root=self.model_root or self.model_names[0],
-                parent=None,
-                max_model_len=self.llm.max_model_len,
-                permission=[
-                    ModelPermission(
-                        f"modelperm-{secrets.token_hex(16)}", "model_permission", self._created
-                    )
-                ],
-            )
+            _model_card(name, self._created, base, None, self.llm.max_model_len)
             for name in self.model_names
         ]
         cards.extend(
-            ModelCard(
-                id=lora.lora_name,
-                object="model",
-                created=self._created,
-                owned_by="vllm",
-                root=lora.lora_path,
-                parent=lora.base_model_name or self.model_names[0],
-                max_model_len=None,
-                permission=[
-                    ModelPermission(
-                        f"modelperm-{secrets.token_hex(16)}", "model_permission", self._created
-                    )
-                ],
+            _model_card(
+                lora.lora_name,
+                self._created,
+                lora.lora_path,
+                lora.base_model_name or self.model_names[0],
+                None,
             )
             for lora in self.loras.requests.values()
         )
@@ -843,5 +829,24 @@ def _as_http_error(exc: BaseException) -> HTTPError:
     if isinstance(exc, GenerationError):
         return HTTPError(str(exc), 500, err_type="InternalServerError")
     if isinstance(exc, InvalidRequestError):
-        return HTTPError(str(exc), param=exc.param)  # a request rule's verdict
+        # A request rule's verdict. vLLM's create_error_response strips every message
+        # (sanitize_message): llguidance's grammar errors end with a newline.
+        return HTTPError(str(exc).strip(), param=exc.param)
     return HTTPError(str(exc))
+
+
+def _model_card(
+    name: str, created: int, root: str, parent: str | None, max_model_len: int | None
+) -> ModelCard:
+    """One ``/v1/models`` entry as vLLM's (a fresh permission id per listing)."""
+    permission = ModelPermission(f"modelperm-{secrets.token_hex(16)}", "model_permission", created)
+    return ModelCard(
+        id=name,
+        object="model",
+        created=created,
+        owned_by="vllm",
+        root=root,
+        parent=parent,
+        max_model_len=max_model_len,
+        permission=[permission],
+    )

@@ -17,7 +17,9 @@ import uuid
 from typing import TYPE_CHECKING
 
 import msgspec
+from msgspec import UNSET
 
+from .._exceptions import InvalidRequestError
 from ..protocol import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from ..protocol.rules import (
     CHAT,
@@ -30,6 +32,7 @@ from ..protocol.rules import (
     PromptInput,
     PromptText,
 )
+from ..text.tools import tool_choice_constraint
 from ._http import HTTPError, encode
 from ._schemas import (
     DECLARED_FIELDS,
@@ -468,6 +471,20 @@ def plan_chat(
     top = 0 if req.top_logprobs is None else req.top_logprobs
     check_tools(req, tool_options)
     tool_choice = tool_choice_of(req)
+    active = tool_options.active_tool_parser
+    if active is not None and req.tools and tool_choice != "none":
+        # vLLM's parser adjust_request: the tools' grammar for required/named (and
+        # auto with a strict tool or a single-call limit) replaces the request's own.
+        try:
+            structured = tool_choice_constraint(
+                active,
+                req.tools,
+                tool_choice,
+                parallel_tool_calls=req.parallel_tool_calls,
+                structured_outputs=structured,
+            )
+        except InvalidRequestError as exc:
+            raise HTTPError(str(exc), param=exc.param) from None
     # vLLM checks the template's trust after the tool checks, before rendering
     chat_template, chat_template_kwargs = request_chat_template(
         req.chat_template, req.chat_template_kwargs, trusted=trust_request_chat_template
@@ -1085,11 +1102,12 @@ class ChatResponder(_Responder):
                 message = ChatResponseMessage(plan.role, echo + text)
                 finish_reason = c.finish_reason or "stop"
             else:
-                reasoning, content, tool_calls, called = plan.parsers.message(i, text)
-                message = ChatResponseMessage(
-                    plan.role, content, tool_calls=tool_calls, reasoning=reasoning
+                reasoning, content, tool_calls, finish_reason = plan.parsers.message(
+                    i, text, c.finish_reason
                 )
-                finish_reason = "tool_calls" if called else c.finish_reason or "stop"
+                message = ChatResponseMessage(
+                    plan.role, content, tool_calls=tool_calls or UNSET, reasoning=reasoning
+                )
             choices.append(
                 ChatCompletionResponseChoice(
                     i,
