@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 
-from .conftest import TINY_MODEL, vllm_python
-from .test_serve_parity import SERVED, serve_both
+from .conftest import ENGINE_ENV, TINY_MODEL, vllm_python
+from .test_serve_parity import SERVE_ARGS, SERVED, VLLM_CLI, serve_both
 from .test_tokens_parity import vllm_lock
 
 if TYPE_CHECKING:
@@ -255,3 +257,39 @@ def test_the_recorded_tool_constraints_are_vllms_answer() -> None:
     recorded = json.loads(script.with_name("data").joinpath("tool_constraints.json").read_text())
     assert answer == recorded
     assert json.dumps(answer) == json.dumps(recorded)  # key order too
+
+
+def _startup_error(command: list[str]) -> str:
+    """The error a server that must not start prints (it exits by itself)."""
+    proc = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+        env={**os.environ, **ENGINE_ENV},
+    )
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    found = re.search(r"--tool-call-parser mistral cannot be used with the tokenizer of '[^']*': "
+                      r"[^\n]*", proc.stderr)  # fmt: skip
+    assert found, proc.stderr[-4000:]
+    return found.group(0)
+
+
+def test_mistral_on_a_tokenizer_without_its_token_stops_both_servers() -> None:
+    """tiny-llama has no [TOOL_CALLS]: vllm serve refuses to start with
+    --tool-call-parser mistral, and so does trio-vllm serve, with the same words (the
+    model path aside)."""
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "mistral"]
+    python = vllm_python()
+    theirs = _startup_error(
+        [python, str(VLLM_CLI), "serve", str(TINY_MODEL), "--port", "0", *SERVE_ARGS, *flags]
+    )
+    ours = _startup_error(
+        [sys.executable, "-m", "trio_vllm.cli", "serve", "--engine", "vllm",
+         "--vllm-python", python, "--model", str(TINY_MODEL), "--port", "0",
+         f"--engine-args={' '.join(SERVE_ARGS)}", "--ready-timeout", "800", *flags]
+    )  # fmt: skip
+    strip = re.compile(r"tokenizer of '[^']*'")
+    assert strip.sub("tokenizer of M", ours) == strip.sub("tokenizer of M", theirs)
+    assert theirs.endswith("Mistral parser could not locate the tool call token in the tokenizer!")
