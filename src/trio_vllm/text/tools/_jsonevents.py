@@ -65,7 +65,7 @@ class JsonEvents:
         while i < len(data):
             ch = data[i]
             if self._kind == "string":
-                end = self._string_end(data, i)
+                end = self._string_end(data, i, self._buf)
                 if end < 0:
                     self._buf += data[i:]
                     return events
@@ -94,10 +94,12 @@ class JsonEvents:
         return events
 
     @staticmethod
-    def _string_end(data: str, start: int) -> int:
-        # The closing quote's index at or after ``start`` (the buffer may end inside
-        # an escape: the caller keeps what it has and waits).
-        i = start
+    def _string_end(data: str, start: int, held: str) -> int:
+        # The closing quote's index at or after ``start``, or -1. ``held`` is the string
+        # so far: when it ends inside an escape (an odd run of backslashes), the first
+        # character here is escaped.
+        run = len(held) - len(held.rstrip("\\"))
+        i = start + 1 if run % 2 else start
         while i < len(data):
             if data[i] == "\\":
                 i += 2
