@@ -290,6 +290,7 @@ def _plan(kind: str, body: dict[str, Any]) -> Any:
         header_request_id="fixed",
         extra=extra,
         tool_options=app.tool_options,
+        trust_request_chat_template=True,  # as --trust-request-chat-template
     )
 
 

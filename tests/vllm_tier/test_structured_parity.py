@@ -31,9 +31,10 @@ from trio_vllm.protocol import StructuredOutputsParams
 from trio_vllm.protocol.structured import resolve_structured_outputs
 from trio_vllm.sync import SyncClient
 
+from ._servers import SERVED, serve_pair
 from .conftest import ENGINE_ARGS, ENGINE_ENV, EXPECTED_GREEDY, TINY_MODEL, vllm_python
 from .llm_reference import request_output_json
-from .test_serve_parity import SERVED, _summary, serve_both
+from .test_serve_parity import _summary
 from .test_text_frontend_parity import _json, _vllm_side
 from .test_tokens_parity import vllm_lock
 
@@ -140,7 +141,7 @@ def _run(port: int) -> list[Any]:
 
 
 def test_serve_structured_outputs_match_vllm_serve() -> None:
-    expected, got = serve_both(TINY_MODEL, _run)
+    expected, got = serve_pair(_run)
     mismatches = [
         (json.dumps(case)[:160], want, have)
         for case, want, have in zip(CASES + BAD, expected, got, strict=True)

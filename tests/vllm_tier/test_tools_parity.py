@@ -23,25 +23,15 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 import pytest
 
+from ._servers import SERVE_ARGS, SERVED, VLLM_CLI, serve_pair, vllm_lock
 from .conftest import ENGINE_ENV, TINY_MODEL, vllm_python
-from .test_serve_parity import SERVE_ARGS, SERVED, VLLM_CLI, serve_both
-from .test_tokens_parity import vllm_lock
-
-if TYPE_CHECKING:
-    from collections.abc import Iterator
 
 pytestmark = pytest.mark.timeout(1500)
-
-
-@pytest.fixture(autouse=True)
-def _one_stock_vllm_at_a_time() -> Iterator[None]:
-    with vllm_lock():
-        yield
 
 
 FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
@@ -139,8 +129,8 @@ def _whole(body: dict[str, Any], response: httpx.Response) -> Any:
         for b in response.text.split("\n\n")
         if b.strip() and b.strip() != "data: [DONE]"
     ]
-    # With n > 1 the choices interleave as the engine's outputs came: each choice's own
-    # sequence is compared (a chunk carries one choice; the usage chunk none).
+    # With n > 1 the choices' chunks interleave as the engine's outputs came: compare
+    # each choice's own sequence (a chunk carries one choice; the usage chunk none).
     return sorted(chunks, key=lambda c: c["choices"][0]["index"] if c["choices"] else 1 << 30)
 
 
@@ -219,7 +209,7 @@ def _compare(cases: list[dict[str, Any]], expected: list[Any], got: list[Any]) -
 
 
 def test_hermes_tool_requests_match_vllm_serve() -> None:
-    expected, got = serve_both(TINY_MODEL, lambda port: _run(port, CASES), FLAGS)
+    expected, got = serve_pair(lambda port: _run(port, CASES), server_args=FLAGS)
     _compare(CASES, expected, got)
     summaries = [summary for summary, _ in expected]
     # not vacuous: text came out, calls were made, and the bad requests were refused
@@ -243,7 +233,7 @@ PYTHONIC_CASES: list[dict[str, Any]] = [
 
 def test_pythonic_required_and_named_match_vllm_serve() -> None:
     """The JSON-schema path (a parser without a structural tag)."""
-    expected, got = serve_both(TINY_MODEL, lambda port: _run(port, PYTHONIC_CASES), PYTHONIC_FLAGS)
+    expected, got = serve_pair(lambda port: _run(port, PYTHONIC_CASES), server_args=PYTHONIC_FLAGS)
     _compare(PYTHONIC_CASES, expected, got)
     summaries = [summary for summary, _ in expected]
     assert any(c["tool_calls"] for r in summaries[:5] for c in r["choices"])
@@ -291,14 +281,15 @@ def test_mistral_on_a_tokenizer_without_its_token_stops_both_servers() -> None:
     model path aside)."""
     flags = ["--enable-auto-tool-choice", "--tool-call-parser", "mistral"]
     python = vllm_python()
-    theirs = _startup_error(
-        [python, str(VLLM_CLI), "serve", str(TINY_MODEL), "--port", "0", *SERVE_ARGS, *flags]
-    )
-    ours = _startup_error(
-        [sys.executable, "-m", "trio_vllm.cli", "serve", "--engine", "vllm",
-         "--vllm-python", python, "--model", str(TINY_MODEL), "--port", "0",
-         f"--engine-args={' '.join(SERVE_ARGS)}", "--ready-timeout", "800", *flags]
-    )  # fmt: skip
+    with vllm_lock():
+        theirs = _startup_error(
+            [python, str(VLLM_CLI), "serve", str(TINY_MODEL), "--port", "0", *SERVE_ARGS, *flags]
+        )
+        ours = _startup_error(
+            [sys.executable, "-m", "trio_vllm.cli", "serve", "--engine", "vllm",
+             "--vllm-python", python, "--model", str(TINY_MODEL), "--port", "0",
+             f"--engine-args={' '.join(SERVE_ARGS)}", "--ready-timeout", "800", *flags]
+        )  # fmt: skip
     strip = re.compile(r"tokenizer of '[^']*'")
     assert strip.sub("tokenizer of M", ours) == strip.sub("tokenizer of M", theirs)
     assert theirs.endswith("Mistral parser could not locate the tool call token in the tokenizer!")
