@@ -39,6 +39,7 @@ def ours(parser: str, fields: dict[str, Any]) -> dict[str, Any]:
         choice,
         parallel_tool_calls=req.parallel_tool_calls,
         structured_outputs=so,
+        own_structured_outputs=req.structured_outputs is not None,
     )
     return {
         "structured_outputs": None

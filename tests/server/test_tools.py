@@ -367,16 +367,54 @@ def test_a_parser_the_tokenizer_cannot_serve_stops_startup_as_vllm(
         OpenAIServer(_Frontend(), tool_options=options)  # type: ignore[arg-type]
 
 
-def test_mistral_is_known_but_not_ported() -> None:
-    """A tokenizer with Mistral's [TOOL_CALLS] token: vLLM would run its mistral parser;
-    trio-vllm has not ported it and refuses to start, saying so. Without
-    --enable-auto-tool-choice vLLM builds no tool parser, and neither do we."""
+def test_mistral_runs_on_pre_v11_tokenizers_only() -> None:
+    """A tokenizer with Mistral's [TOOL_CALLS] token and no [ARGS] (pre-v11): the
+    ported parser runs. With [ARGS] (v11+), vLLM runs its parser engine and
+    mistral_common's grammar: not ported, the server refuses to start, saying so.
+    Without --enable-auto-tool-choice vLLM builds no tool parser, and neither do we."""
 
-    class _MistralTokenizer(_ThinkTokenizer):
+    class _PreV11(_ThinkTokenizer):
         ids: ClassVar[dict[str, int]] = {"[TOOL_CALLS]": 5}
 
+    class _V11(_ThinkTokenizer):
+        ids: ClassVar[dict[str, int]] = {"[TOOL_CALLS]": 5, "[ARGS]": 6}
+
     options = ToolOptions(enable_auto_tool_choice=True, tool_call_parser="mistral")
-    with pytest.raises(ValueError, match=r"mistral is not supported by trio-vllm: vLLM 0\.32"):
-        options.check_tokenizer(_MistralTokenizer(), "/m")
+    options.check_tokenizer(_PreV11(), "/m")
+    with pytest.raises(ValueError, match=r"mistral is not supported by trio-vllm for this"):
+        options.check_tokenizer(_V11(), "/m")
     ToolOptions(tool_call_parser="mistral").check_tokenizer(_Frontend.tokenizer, "/m")
     HERMES.check_tokenizer(_Frontend.tokenizer, "/m")  # hermes needs no marker token
+
+
+class _MistralFrontend(_Frontend):
+    tokenizer = type("_T", (_ThinkTokenizer,), {"ids": {"[TOOL_CALLS]": 5}})()  # type: ignore[assignment]
+
+
+def test_mistral_calls_in_the_response() -> None:
+    options = ToolOptions(enable_auto_tool_choice=True, tool_call_parser="mistral")
+    req = ChatCompletionRequest(messages=MESSAGES, tools=[TOOL])
+    plan = plan_chat(
+        req, _MistralFrontend(), model="m", header_request_id="x", extra={}, tool_options=options
+    )  # type: ignore[arg-type]
+    assert plan.params[0].skip_special_tokens is False
+    body = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    choice = _full(plan, ["Sure. ", "[TOOL_CALLS]", body])
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert call["id"].isalnum()
+    assert len(call["id"]) == 9  # Mistral's ids
+    assert choice["message"]["content"] == "Sure. "
+    assert choice["finish_reason"] == "tool_calls"
+    # required: the bare array its JSON schema forces (no marker)
+    req = ChatCompletionRequest(messages=MESSAGES, tools=[TOOL], tool_choice="required")
+    plan = plan_chat(
+        req, _MistralFrontend(), model="m", header_request_id="x", extra={}, tool_options=options
+    )  # type: ignore[arg-type]
+    so = plan.params[0].structured_outputs
+    assert so is not None
+    assert isinstance(so.json, dict)
+    assert so.json["type"] == "array"
+    choice = _full(plan, [body])
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+    assert choice["finish_reason"] == "tool_calls"

@@ -67,8 +67,10 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("auto-strict", {"tools": [WEATHER, STRICT], "tool_choice": "auto"}),
     ("auto-single", {"tools": [WEATHER, NOARGS], "parallel_tool_calls": False}),
     ("auto-with-response-format", {"tools": [WEATHER], "response_format": JSON_OBJECT}),
+    ("required-over-structured-outputs", {"tools": [WEATHER], "tool_choice": "required",
+                                          "structured_outputs": {"regex": "a+"}}),
     ("none", {"tools": [WEATHER], "tool_choice": "none"}),
     ("no-tools", {}),
 ]  # fmt: skip
 
-PARSERS = ("hermes", "llama3_json", "pythonic")
+PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")

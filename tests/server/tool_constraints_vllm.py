@@ -25,7 +25,7 @@ def main() -> None:
 
     class Tokenizer:
         def get_vocab(self) -> dict[str, int]:
-            return {"<tool_call>": 1, "</tool_call>": 2, "<|python_tag|>": 3}
+            return {"<tool_call>": 1, "</tool_call>": 2, "<|python_tag|>": 3, "[TOOL_CALLS]": 4}
 
     out: dict[str, object] = {}
     for parser_name in cases.PARSERS:

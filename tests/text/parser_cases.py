@@ -23,6 +23,7 @@ VOCAB: dict[str, int] = {
     "<|python_tag|>": 128010,
     "<|im_start|>": 151644,
     "<|im_end|>": 151645,
+    "[TOOL_CALLS]": 5,  # Mistral's (pre-v11: no [ARGS] token)
 }
 # Text between markers: one token per stretch, its id derived from the text (the same
 # on both sides, whatever order the cases run in); `FakeTokenizer.decode` reads it back.
@@ -80,6 +81,40 @@ _WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "cels
 _TIME = '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}'
 
 # (parser name, case name, deltas)
+_M = "[TOOL_CALLS]"
+_M_ONE = '[{"name": "get_weather", "arguments": {"city": "Paris", "n": [1, 2.5]}}]'
+_M_TWO = ('[{"name": "get_weather", "arguments": {"city": "Ro\\"me", "o": {"x": "}"}}}, '
+          '{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}]')  # fmt: skip
+MISTRAL_CASES: list[tuple[str, str, list[str]]] = [
+    ("mistral", "plain-text", ["Hel", "lo", " world"]),
+    ("mistral", "one-call", ["Sure. ", _M, *chars(_M_ONE, 5)]),
+    ("mistral", "one-call-big-deltas", [_M, _M_ONE[:30], _M_ONE[30:]]),
+    ("mistral", "two-calls", [_M, *chars(_M_TWO, 4)]),
+    ("mistral", "two-calls-one-delta", [_M + _M_TWO]),
+    ("mistral", "marker-inside-a-delta", ["ok" + _M + _M_ONE[:9], _M_ONE[9:]]),
+    ("mistral", "bare-object", [_M, *chars('{"name": "ping", "arguments": {}}', 6), " then"]),
+    ("mistral", "trailing-text", [_M, *chars(_M_ONE, 11), " done", "."]),
+    ("mistral", "bad-json", [_M, "[{", '"name" ', "3", ", ok", "]"]),
+    ("mistral", "no-arguments", [_M, *chars('[{"name": "ping"}]', 3)]),
+    ("mistral", "not-a-call", [_M, *chars("[1, 2]", 2)]),
+    ("mistral", "number-at-piece-ends",
+     [_M, '[{"name": "f", "arguments": {"a": 1', "2", ', "b": -3.5e', "2}}]"]),
+    ("mistral", "nested-arrays-and-literals",
+     [_M, *chars('[{"name": "f", "arguments": {"l": [[1, true], {"n": null}], "f": false}}]', 7)]),
+    ("mistral", "escape-split", [_M, '[{"name": "f", "arguments": {"s": "a\\', '"b\\n"}}]']),
+    ("mistral", "string-arguments-split", [_M, '[{"name": "f", "arguments": "{\\"a', '\\": 1}"}]']),
+    ("mistral", "whitespace-everywhere",
+     [_M, " [ ", "{ ", '"name" : ', '"f" , ', '"arguments" : ', "{ ", '"a" : 1 ', "} ", "} ", "]"]),
+    ("mistral", "empty-array", [_M, "[", "]", " ok"]),
+    ("mistral", "arguments-before-name",
+     [_M, *chars('[{"arguments": {"a": 1}, "name": "f"}]', 6)]),
+    ("mistral", "marker-twice", [_M, _M, *chars(_M_ONE, 12)]),
+    ("mistral", "garbage-after-marker", [_M, " sorry", " no"]),
+    ("mistral", "two-calls-split-between", [_M, _M_TWO[:95], _M_TWO[95:]]),
+    ("mistral", "unicode",
+     [_M, *chars('[{"name": "t\\u00e9", "arguments": {"q": "\u00e9t\u00e9"}}]', 4)]),
+]  # fmt: skip
+
 TOOL_CASES: list[tuple[str, str, list[str]]] = [
     ("hermes", "plain-text", ["Hel", "lo", " world", "."]),
     ("hermes", "one-call", ["<tool_call>", "\n", *chars(_WEATHER, 5), "\n", "</tool_call>"]),
@@ -145,6 +180,7 @@ TOOL_CASES: list[tuple[str, str, list[str]]] = [
     ("pythonic", "malformed", chars("[f(a=1]", 2)),
     ("pythonic", "one-big-delta", ["[get_time(tz='UTC')]"]),
 ]
+TOOL_CASES += MISTRAL_CASES
 
 REASONING_CASES: list[tuple[str, str, list[str]]] = [
     (
@@ -203,6 +239,9 @@ def _plain(value: Any) -> Any:
             if key == "id" and isinstance(item, str):
                 if item is None:
                     out[key] = None
+                    continue
+                if item.isalnum() and len(item) == 9:  # Mistral's ids
+                    out[key] = "<mistral-id>"
                     continue
                 if not item.startswith("chatcmpl-tool-"):
                     raise AssertionError(f"tool call id {item!r}")
@@ -300,6 +339,16 @@ CHAIN_CASES: list[tuple[str, str, str, str, list[str]]] = [
      ['[{"name": "get_weather", ', '"parameters": 3}]']),
     ("", "pythonic", "named:get_weather", "named-args", chars('{"city": "Paris"}', 4)),
     ("", "pythonic", "named:get_weather", "named-blank", [" "]),
+    ("", "mistral", "auto", "mistral-call", ["Let me see. ", _M, *chars(_M_ONE, 6)]),
+    ("", "mistral", "auto", "mistral-plain", ["just ", "text"]),
+    ("", "mistral", "none", "mistral-none-drops-calls", ["x ", _M, *chars(_M_ONE, 8)]),
+    ("", "mistral", "required", "mistral-required-bare-array", chars(_M_ONE, 7)),
+    ("", "mistral", "named:get_weather", "mistral-named-bare-array", chars(_M_ONE, 9)),
+    ("", "mistral", "required", "mistral-required-blank", [" "]),
+    ("deepseek_r1", "mistral", "auto", "think-then-mistral-call",
+     ["<think>", "hm", "</think>", "ok ", _M, *chars(_M_ONE, 10)]),
+    ("qwen3", "mistral", "auto", "qwen3-think-then-mistral-call",
+     ["<think>", "hm", "</think>", "\n\n", _M, *chars(_M_ONE, 10)]),
     ("deepseek_r1", "pythonic", "required", "think-then-required",
      ["<think>", "hm", "</think>", *chars(_REQUIRED, 9)]),
     ("deepseek_r1", "pythonic", "named:get_weather", "think-then-named",

@@ -17,12 +17,15 @@ import parser_cases
 
 
 def main() -> None:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.reasoning.deepseek_r1_reasoning_parser import DeepSeekR1ReasoningParser
     from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
     from vllm.tool_parsers.llama_tool_parser import Llama3JsonToolParser
+    from vllm.tool_parsers.mistral_tool_parser import MistralToolParser
     from vllm.tool_parsers.pythonic_tool_parser import PythonicToolParser
 
     tool_classes = {
+        "mistral": MistralToolParser,
         "hermes": Hermes2ProToolParser,
         "llama3_json": Llama3JsonToolParser,
         "pythonic": PythonicToolParser,
@@ -53,26 +56,33 @@ def main() -> None:
     class Adapted:
         """vLLM's parsers take the request as a last argument; these parsers ignore it."""
 
-        def __init__(self, parser: object) -> None:
+        def __init__(self, parser: object, request: object = None) -> None:
             self.parser = parser
+            self.request = request
 
         def __getattr__(self, name: str) -> object:
             return getattr(self.parser, name)
 
         def extract_tool_calls(self, text: str) -> object:
-            return self.parser.extract_tool_calls(text, None)  # type: ignore[attr-defined]
+            return self.parser.extract_tool_calls(text, self.request)  # type: ignore[attr-defined]
 
         def extract_tool_calls_streaming(self, *args: object) -> object:
-            return self.parser.extract_tool_calls_streaming(*args, None)  # type: ignore[attr-defined]
+            return self.parser.extract_tool_calls_streaming(*args, self.request)  # type: ignore[attr-defined]
 
         def extract_reasoning(self, text: str) -> object:
             return self.parser.extract_reasoning(text, None)  # type: ignore[attr-defined]
 
     out: dict[str, dict[str, object]] = {"tools": {}, "reasoning": {}}
+    # mistral reads the request (its tool_choice): an auto request without tools
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "q"}])
     for name, case, deltas in parser_cases.TOOL_CASES:
         cls = tool_classes[name]
         out["tools"][f"{name}/{case}"] = parser_cases.drive_tool_parser(
-            lambda cls=cls: Adapted(cls(tokenizer)), to_data, deltas
+            lambda cls=cls, name=name: Adapted(
+                cls(tokenizer), request if name == "mistral" else None
+            ),
+            to_data,
+            deltas,
         )
     for name, case, deltas in parser_cases.REASONING_CASES:
         cls = reasoning_classes[name]

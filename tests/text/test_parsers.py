@@ -20,6 +20,7 @@ from trio_vllm.text.reasoning import reasoning_parser_class
 from trio_vllm.text.tools import (
     ChatOutputParser,
     DeltaMessage,
+    FunctionCall,
     HermesToolParser,
     Llama3JsonToolParser,
     tool_parser_class,
@@ -37,6 +38,8 @@ def _to_data(result: object) -> object:
     # else without its None fields, as the vLLM side dumps them.
     if isinstance(result, DeltaMessage):
         return msgspec.to_builtins(result)
+    if isinstance(result, FunctionCall):  # vLLM's FunctionCall.id is exclude=True
+        return {"name": result.name, "arguments": result.arguments}
     return _without_none(msgspec.to_builtins(result))
 
 
@@ -82,6 +85,13 @@ def test_reasoning_parser_matches_vllm(name: str, case: str, deltas: list[str]) 
     assert ours_reasoning(name, deltas) == TABLE["reasoning"][f"{name}/{case}"]
 
 
+def _tool_parser(name: str, tokenizer: Any, tools: Any, choice: str) -> Any:
+    cls = tool_parser_class(name)
+    if cls.wants_tool_choice:
+        return cls(tokenizer, tools, tool_choice=parser_cases.chain_choice(choice))
+    return cls(tokenizer, tools)
+
+
 def ours_chain(reasoning: str, tool: str, choice: str, deltas: list[str]) -> dict[str, Any]:
     tokenizer = parser_cases.FakeTokenizer()
 
@@ -90,7 +100,7 @@ def ours_chain(reasoning: str, tool: str, choice: str, deltas: list[str]) -> dic
             reasoning_parser_class(reasoning)(tokenizer, chat_template_kwargs={})
             if reasoning
             else None,
-            tool_parser_class(tool)(tokenizer, parser_cases.CHAIN_TOOLS) if tool else None,
+            _tool_parser(tool, tokenizer, parser_cases.CHAIN_TOOLS, choice) if tool else None,
             tool_choice=parser_cases.chain_choice(choice),
             enable_auto_tools=True,
         )
@@ -170,7 +180,7 @@ def test_missing_marker_tokens_are_refused_as_vllm() -> None:
 
 
 def test_unknown_parser_names_say_the_known_ones() -> None:
-    with pytest.raises(KeyError, match="known: hermes, llama3_json, pythonic"):
+    with pytest.raises(KeyError, match="known: hermes, llama3_json, mistral, pythonic"):
         tool_parser_class("nope")
     with pytest.raises(KeyError, match="deepseek_r1"):
         reasoning_parser_class("nope")

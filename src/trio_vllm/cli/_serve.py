@@ -127,8 +127,8 @@ def add_parser(commands: Any) -> None:
         default=None,
         metavar="NAME",
         help=(
-            "the model's tool-call format: hermes, llama3_json or pythonic "
-            "(mistral: refused, not ported)"
+            "the model's tool-call format: hermes, llama3_json, pythonic or mistral "
+            "(pre-v11 tokenizers)"
         ),
     )
     t.add_argument(

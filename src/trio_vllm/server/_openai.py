@@ -482,6 +482,7 @@ def plan_chat(
                 tool_choice,
                 parallel_tool_calls=req.parallel_tool_calls,
                 structured_outputs=structured,
+                own_structured_outputs=req.structured_outputs is not None,
             )
         except InvalidRequestError as exc:
             raise HTTPError(str(exc), param=exc.param) from None

@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from ._schemas import ChatCompletionRequest
 
 __all__ = [
-    "UNPORTED_TOOL_PARSERS",
     "ChoiceParsers",
     "ToolOptions",
     "check_tools",
@@ -41,19 +40,6 @@ __all__ = [
     "skip_special_tokens",
     "tool_choice_of",
 ]
-
-#: vLLM 0.32 tool parsers trio-vllm knows by name but has not ported, and why; with
-#: ``--enable-auto-tool-choice`` the server refuses to start with them (see
-#: `ToolOptions.check_tokenizer`).
-UNPORTED_TOOL_PARSERS: dict[str, str] = {
-    "mistral": (
-        "vLLM 0.32 builds it on mistral_common and its parser engine (a grammar from "
-        "mistral_common's tokenizer for v11+ models, an ijson event stream for older "
-        "ones); trio-vllm has not ported it"
-    ),
-}
-# The token vLLM's MistralParser looks up first (mistral_common's SpecialTokens).
-_MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
 
 _CORRECT_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
 
@@ -72,7 +58,7 @@ class ToolOptions(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
-        known = TOOL_PARSERS.keys() | UNPORTED_TOOL_PARSERS.keys()
+        known = TOOL_PARSERS.keys()
         if self.tool_call_parser is not None and self.tool_call_parser not in known:
             raise ValueError(
                 f"invalid tool call parser: {self.tool_call_parser} "
@@ -87,8 +73,8 @@ class ToolOptions(msgspec.Struct, frozen=True):
     def check_tokenizer(self, tokenizer: TokenizerLike, model: str) -> None:
         """vLLM's startup check (``ParserManager.validate_parser_tokenizer``): build
         the active parsers once with the model's tokenizer; `ValueError` with vLLM's
-        message if one cannot work with it (a marker token missing), and for a parser
-        named in `UNPORTED_TOOL_PARSERS`."""
+        message if one cannot work with it (a marker token missing), and for a
+        tokenizer format a parser has not ported (Mistral v11+)."""
         flags = []
         active = self.active_tool_parser
         if active is not None:
@@ -102,21 +88,15 @@ class ToolOptions(msgspec.Struct, frozen=True):
             except RuntimeError as exc:
                 error = exc
         if error is None and active is not None:
-            if active not in UNPORTED_TOOL_PARSERS:
-                try:
-                    tool_parser_class(active)(tokenizer, None)
-                except RuntimeError as exc:
-                    error = exc
-            elif tokenizer.token_to_id(_MISTRAL_TOOL_CALLS) is None:
-                # What vLLM's parser raises first for such a tokenizer.
-                error = RuntimeError(
-                    "Mistral parser could not locate the tool call token in the tokenizer!"
-                )
-            else:
+            try:
+                tool_parser_class(active)(tokenizer, None)
+            except NotImplementedError as exc:  # a format trio-vllm has not ported
                 raise ValueError(
-                    f"--tool-call-parser {active} is not supported by trio-vllm: "
-                    f"{UNPORTED_TOOL_PARSERS[active]}"
-                )
+                    f"--tool-call-parser {active} is not supported by trio-vllm for this "
+                    f"tokenizer: {exc}"
+                ) from None
+            except RuntimeError as exc:  # (NotImplementedError is one: caught above)
+                error = exc
         if error is not None:
             raise ValueError(
                 f"{' and '.join(flags)} cannot be used with the tokenizer of {model!r}: {error}"
@@ -210,13 +190,16 @@ def skip_special_tokens(req: ChatCompletionRequest, options: ToolOptions, choice
     tokens) when tools are used, and always for the engine-based ``qwen3`` reasoning
     parser."""
     active = options.active_tool_parser
-    if (
-        active is not None
-        and tool_parser_class(active).keeps_special_tokens
-        and req.tools
-        and choice != "none"
-    ):
-        return False
+    if active is not None:
+        cls = tool_parser_class(active)
+        if cls.engine_based_streaming:
+            # vLLM's parser-engine adapters (mistral) turn it off whenever the
+            # renderer adjusts the request: a tool choice but none, or a reasoning
+            # parser configured.
+            if choice not in ("none", None) or options.reasoning_parser is not None:
+                return False
+        elif cls.keeps_special_tokens and req.tools and choice != "none":
+            return False
     if options.reasoning_parser == "qwen3":
         return False
     return req.skip_special_tokens
@@ -265,7 +248,14 @@ class ChoiceParsers:
                 else None
             )
             active = options.active_tool_parser
-            tool = tool_parser_class(active)(tokenizer, tools) if active is not None else None
+            tool = None
+            if active is not None:
+                cls = tool_parser_class(active)
+                tool = (
+                    cls(tokenizer, tools, tool_choice=choice)  # type: ignore[call-arg]
+                    if cls.wants_tool_choice
+                    else cls(tokenizer, tools)
+                )
             self.parsers.append(
                 ChatOutputParser(
                     reasoning,
@@ -321,7 +311,7 @@ class ChoiceParsers:
 
 def _tool_call(call: FunctionCall) -> dict[str, Any]:
     return {
-        "id": make_tool_call_id(),
+        "id": call.id or make_tool_call_id(),  # the parser's id (mistral's), as vLLM
         "type": "function",
         "function": {"name": call.name, "arguments": call.arguments},
     }

@@ -1,4 +1,5 @@
-"""Tool-call parsers: vLLM 0.32's ``hermes``, ``llama3_json`` and ``pythonic``, sans-I/O.
+"""Tool-call parsers: vLLM 0.32's ``hermes``, ``llama3_json``, ``mistral`` (pre-v11
+tokenizers) and ``pythonic``, sans-I/O.
 
 Build one parser per request with the model's tokenizer (anything with
 ``token_to_id``) and the request's tools; call ``extract_tool_calls(text)`` on a
@@ -16,6 +17,7 @@ from ._constraints import STRUCTURAL_TAG_MODELS as STRUCTURAL_TAG_MODELS
 from ._constraints import tool_choice_constraint as tool_choice_constraint
 from ._hermes import HermesToolParser as HermesToolParser
 from ._llama import Llama3JsonToolParser as Llama3JsonToolParser
+from ._mistral import MistralToolParser as MistralToolParser
 from ._pythonic import PythonicToolParser as PythonicToolParser
 from ._types import DeltaFunctionCall as DeltaFunctionCall
 from ._types import DeltaMessage as DeltaMessage
@@ -29,6 +31,7 @@ from ._types import make_tool_call_id as make_tool_call_id
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
 }
 
@@ -53,6 +56,7 @@ __all__ = [
     "FunctionCall",
     "HermesToolParser",
     "Llama3JsonToolParser",
+    "MistralToolParser",
     "PythonicToolParser",
     "TokenLookup",
     "ToolCall",

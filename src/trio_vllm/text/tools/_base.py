@@ -41,6 +41,11 @@ class ToolParser:
     supports_required_and_named: bool = True
     structural_tag_model: str | None = None
     keeps_special_tokens: bool = False
+    #: vLLM's flag for parsers over its parser engine: the chain feeds them each delta
+    #: alone (``previous_text`` empty).
+    engine_based_streaming: bool = False
+    #: The parser reads the request's ``tool_choice`` (passed as a keyword).
+    wants_tool_choice: bool = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)

@@ -47,11 +47,13 @@ class ChatOutputParser:
         self.tool_choice = tool_choice
         self.enable_auto_tools = enable_auto_tools
         self.include_reasoning = include_reasoning
-        # vLLM's `_engine_based`: no parser that is not engine-based (our tool parsers
-        # never are), which changes how the text after the reasoning is sent.
-        self._engine_based = tool_parser is None and (
+        # vLLM's `_engine_based`: no parser that is not engine-based. Then each delta is
+        # fed alone (no accumulated text), the text after the reasoning is sent
+        # differently, and tool_choice none still runs the tool parser (its calls
+        # dropped).
+        self._engine_based = (
             reasoning_parser is None or reasoning_parser.engine_based_streaming
-        )
+        ) and (tool_parser is None or tool_parser.engine_based_streaming)
         # vLLM's StreamState.
         self._previous_text = ""
         self._previous_ids: list[int] = []
@@ -91,7 +93,11 @@ class ChatOutputParser:
         self, content: str | None
     ) -> tuple[list[FunctionCall] | None, str | None]:
         parser = self.tool_parser
-        if parser is None or self.tool_choice == "none":
+        if parser is None:
+            return [], content
+        if self.tool_choice == "none":
+            if self._engine_based:
+                return [], parser.extract_tool_calls(content or "").content
             return [], content
         if self._parse_named:
             if content is None or not content.strip():
@@ -106,8 +112,13 @@ class ChatOutputParser:
         if not info.tools_called:
             if self._forced and (content is None or not content.strip()):
                 return [], None
+            if self._engine_based:  # the parser's content (incomplete markup dropped)
+                return None, info.content or None
             return None, content
-        calls = [c.function for c in info.tool_calls]
+        calls = [
+            FunctionCall(name=c.function.name, arguments=c.function.arguments, id=c.id)
+            for c in info.tool_calls
+        ]
         content = info.content
         if content and content.strip() == "":
             content = None
@@ -137,8 +148,11 @@ class ChatOutputParser:
             if rp is None or rp.is_reasoning_end(prompt_token_ids):
                 self._reasoning_ended = True
         delta_ids = list(delta_token_ids)
-        current_text = self._previous_text + delta_text
-        current_ids = self._previous_ids + delta_ids
+        if self._engine_based:  # vLLM's StreamState.advance
+            current_text, current_ids = delta_text, delta_ids
+        else:
+            current_text = self._previous_text + delta_text
+            current_ids = self._previous_ids + delta_ids
         message: DeltaMessage | None = None
         transitioned = False
 
@@ -164,6 +178,10 @@ class ChatOutputParser:
                 )
                 if not self._engine_based:
                     delta_text = current_text
+                elif self.tool_parser is not None:
+                    # The tool phase below consumes current_text.
+                    if message is not None:
+                        message.content = None
                 elif current_text:
                     # No tool phase follows: the flushed text goes out as content now.
                     if message is None:
@@ -192,7 +210,10 @@ class ChatOutputParser:
         ):
             message = DeltaMessage(content=delta_text)
 
-        self._previous_text, self._previous_ids = current_text, current_ids
+        if self._engine_based:  # vLLM's StreamState.commit
+            self._previous_text, self._previous_ids = "", []
+        else:
+            self._previous_text, self._previous_ids = current_text, current_ids
 
         if finished:
             message = self._finalize(message)
@@ -207,6 +228,18 @@ class ChatOutputParser:
     ) -> DeltaMessage | None:
         assert self.tool_parser is not None
         if self.tool_choice == "none":
+            if self._engine_based:  # the full pipeline, its tool calls dropped
+                message = self.tool_parser.extract_tool_calls_streaming(
+                    self._previous_text,
+                    current_text,
+                    delta_text,
+                    self._previous_ids,
+                    current_ids,
+                    delta_ids,
+                )
+                if message is not None:
+                    message.tool_calls = []
+                return message
             return DeltaMessage(content=delta_text) if delta_text else None
         if self._parse_named:
             # vLLM's extract_named_tool_call_streaming: every delta is argument text,

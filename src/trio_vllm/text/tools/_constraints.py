@@ -10,6 +10,10 @@ adjust_request``) before it builds the sampling parameters:
   or ``parallel_tool_calls`` is ``false``: the call envelope of every tool, the
   arguments pinned to a tool's schema only when the tool is strict. It replaces the
   request's structured outputs (``response_format`` included).
+- ``mistral`` (pre-v11 tokenizers) gets its own JSON schema for ``required`` and named
+  (a bare array of ``{"name", "arguments"}`` objects, at most one for a named tool),
+  unless the request set its own ``structured_outputs`` (a ``response_format`` is
+  replaced).
 - Any other parser (``pythonic``) gets a JSON schema for ``required`` (an array of
   ``{"name", "parameters"}`` objects, ``maxItems: 1`` without parallel calls, every
   tool's ``$defs`` lifted to the top) and for a named tool (its parameters).
@@ -33,6 +37,7 @@ from typing import Any, Final
 
 from ..._exceptions import InvalidRequestError
 from ...protocol import StructuredOutputsParams
+from ._mistral import guided_schema
 
 __all__ = ["STRUCTURAL_TAG_MODELS", "tool_choice_constraint"]
 
@@ -228,6 +233,7 @@ def tool_choice_constraint(
     *,
     parallel_tool_calls: bool | None = True,
     structured_outputs: StructuredOutputsParams | None = None,
+    own_structured_outputs: bool = False,
 ) -> StructuredOutputsParams | None:
     """The structured outputs vLLM sends for a chat request run through
     ``tool_parser`` (its ``--tool-call-parser`` name, auto tool choice on).
@@ -235,10 +241,18 @@ def tool_choice_constraint(
     ``tool_choice`` is the request's, with vLLM's default (``"auto"`` when tools come
     without one); ``structured_outputs`` is what the request's own
     ``response_format`` / ``structured_outputs`` give. Returns those unchanged when
-    the tools impose nothing. Raises `InvalidRequestError` (see the module).
+    the tools impose nothing. ``own_structured_outputs``: the request set the
+    ``structured_outputs`` field itself (not only ``response_format``). Raises
+    `InvalidRequestError` (see the module).
     """
     if not tools or tool_choice == "none":
         return structured_outputs
+    if tool_parser == "mistral":
+        forced = tool_choice == "required" or _named(tool_choice) is not None
+        if not forced or own_structured_outputs:
+            return structured_outputs
+        schema = guided_schema(tools, tool_choice)
+        return structured_outputs if schema is None else StructuredOutputsParams(json=schema)
     model = STRUCTURAL_TAG_MODELS.get(tool_parser)
     if model is not None:
         tag = _structural_tag(model, tools, tool_choice, parallel_tool_calls)

@@ -37,10 +37,13 @@ def make_tool_call_id() -> str:
 
 
 class FunctionCall(msgspec.Struct):
-    """A complete call: the function's name and its arguments as a JSON string."""
+    """A complete call: the function's name and its arguments as a JSON string.
+    ``id``: the call's id when the parser chose one (vLLM's field, kept out of the
+    response's ``function`` object; the server puts it on the tool call)."""
 
     name: str
     arguments: str
+    id: str | None = None
 
 
 class ToolCall(msgspec.Struct):
