@@ -54,6 +54,7 @@ async def run_openai_server(
     client_options: ClientOptions | None = None,
     lora_modules: Sequence[LoRAModulePath] = (),
     allow_runtime_lora_updating: bool | None = None,
+    trust_request_chat_template: bool = False,
     stop: anyio.Event | None = None,
     listen_fd: int | None = None,
     server_index: int | None = None,
@@ -73,8 +74,8 @@ async def run_openai_server(
     app once it listens (``app.port`` is the bound port). ``generation_config`` and
     ``override_generation_config`` are `open_llm`'s (vLLM's ``--generation-config`` and
     ``--override-generation-config``), ``client_options`` its `ClientOptions`;
-    ``merge_outputs``, ``lora_modules``, ``allow_runtime_lora_updating`` and
-    ``tool_options`` are
+    ``merge_outputs``, ``lora_modules``, ``allow_runtime_lora_updating``,
+    ``trust_request_chat_template`` and ``tool_options`` are
     `OpenAIServer`'s (the adapters are loaded on the engines before the server
     listens; one that fails to load raises ``ValueError``). With
     ``freeze_gc`` the startup heap (imports, tokenizer, engines' handshake) is collected
@@ -164,6 +165,7 @@ async def run_openai_server(
                 tool_options=tool_options,
                 lora_modules=lora_modules,
                 allow_runtime_lora_updating=allow_runtime_lora_updating,
+                trust_request_chat_template=trust_request_chat_template,
                 supported_tasks=tasks,
             )
             await app.load_static_loras()
