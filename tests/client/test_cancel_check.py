@@ -154,3 +154,25 @@ async def test_the_pending_predicate_counts_a_cancel_point_like_the_public_call(
         tg.start_soon(body)
     assert answers[:3] == [False, True, False]
     assert all(answers[3:])
+
+
+async def test_take_now_hands_out_only_what_needs_no_await() -> None:
+    """get_output's fast path: None (await the mailbox) before the no-yield window
+    opens and while a cancellation is pending; the item otherwise. None takes nothing."""
+    box: Mailbox[int] = Mailbox()
+    for item in (1, 2, 3):
+        box.put_nowait(item)
+    taken: list[int | None] = []
+
+    async def body() -> None:  # in a task the backend knows (anyio's asyncio state)
+        taken.append(box.take_now())  # the window is not open yet
+        taken.append(await box.receive())  # opens it
+        with anyio.CancelScope() as scope:  # noqa: ASYNC100 (take_now reads it)
+            scope.cancel()
+            taken.append(box.take_now())
+        taken.append(box.take_now())
+        taken.append(box.take_now())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(body)
+    assert taken == [None, 1, None, 2, 3]

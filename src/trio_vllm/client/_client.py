@@ -55,7 +55,7 @@ from ..protocol.session import (
 from ..protocol.structs import EngineCoreOutput, EngineCoreRequest, FinishReason
 from . import _args
 from ._calls import call_all, call_one
-from ._cancel import checkpoint_if_cancelled
+from ._cancel import backend_pending
 from ._engines import check_sources
 from ._liveness import watch_stalls
 from ._mailbox import Mailbox
@@ -192,8 +192,10 @@ class EngineCoreClient(NamedUtilities):
         self._raw: Mailbox[EngineCoreOutputs] = Mailbox()
         # Bound once: one call each per message (apply) and per batch (get_output).
         self._queue_raw = self._raw.put_nowait
-        self._raw_check = self._raw.buffered_check
-        self._raw_take = self._raw.take_buffered
+        self._raw_take_now = self._raw.take_now
+        # Probe the backend's cancel state now (once per process: anyio's version is a
+        # metadata lookup of ~10-20 ms), not in the first buffered receive.
+        backend_pending()
         self._dead_event = anyio.Event()
         self._receiver = Receiver(
             self._session,
@@ -448,13 +450,12 @@ class EngineCoreClient(NamedUtilities):
             owner.check("get_output")  # LoopOwner.check inlined: it raises here
         session = self._session
         session.raw_called = True  # session.raw_api_used(), inlined: once per batch
-        pending = self._raw_check()
-        if pending is not None:
-            # The mailbox's buffered path without a coroutine of its own (one per
-            # batch): the cancellation check only; a cancelled call consumed nothing.
-            if pending():
-                await checkpoint_if_cancelled()  # raises if cancelled
-            return self._raw_take()
+        # The mailbox's buffered path without a coroutine of its own (one per batch):
+        # the cancellation check passed and the batch taken in one call; None sends a
+        # possibly cancelled call to the awaiting path (a cancelled call consumed nothing).
+        item = self._raw_take_now()
+        if item is not None:
+            return item
         raw = self._raw
         if len(raw):  # nothing to wait for: no waiter to count
             return await raw.__anext__()  # never StopAsyncIteration: raw never ends

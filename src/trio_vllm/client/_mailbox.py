@@ -223,28 +223,27 @@ class Mailbox(Generic[T]):
     def _at_end(self) -> bool:
         return self._ended
 
-    def buffered_check(self) -> Callable[[], bool] | None:
+    def take_now(self) -> T | None:
         """The fast path of a receive call, for a caller that wraps one (``get_output``):
-        when an item is buffered and this mailbox yielded to other tasks less than
-        `YIELD_INTERVAL` ago, the backend's cancellation predicate (instead of a full
-        scheduler pass): call it, await ``_cancel.checkpoint_if_cancelled()`` if it
-        returns True (that raises if the task is cancelled), then `take_buffered`.
-        Otherwise ``None`` (use ``__anext__``)."""
-        if self._pending and _monotonic() < self._yield_due:
-            pending = self._cancel_pending
-            if pending is None:
+        the next item when it can be handed out with no await at all (an item buffered,
+        this mailbox yielded to other tasks less than `YIELD_INTERVAL` ago, and the
+        backend's cancellation predicate says nothing is pending: the call's
+        cancellation check, passed); otherwise ``None``, and the caller awaits
+        `__anext__` (which checks, yields or waits). For mailboxes whose items are never
+        ``None``; a subclass with its own `_take` bookkeeping overrides this.
+
+        One call per batch on ``get_output``'s path (it was two, the check and the take,
+        plus the predicate: issue 25)."""
+        pending = self._pending
+        if pending and _monotonic() < self._yield_due:
+            check = self._cancel_pending
+            if check is None:
                 # The running backend's check (trio's or anyio's cancel state read
                 # directly where that is known to be safe; _cancel.py).
-                pending = self._cancel_pending = backend_pending()
-            return pending
+                check = self._cancel_pending = backend_pending()
+            if not check():
+                return pending.popleft()
         return None
-
-    def take_buffered(self) -> T:
-        """The next buffered item, after the check `buffered_check` returned was awaited
-        (not a checkpoint). A plain mailbox's `_take` is the pop itself, so this is it
-        too (one call less per batch on ``get_output``'s path); a subclass with its own
-        `_take` bookkeeping overrides this as well."""
-        return self._pending.popleft()
 
     def __aiter__(self) -> Mailbox[T]:
         return self
@@ -253,7 +252,7 @@ class Mailbox(Generic[T]):
         # While items are buffered, yield to other tasks at most once per interval
         # (always checking for cancellation): a full scheduler pass per item was most
         # of a lagging consumer's cost. Either way a cancelled call consumed nothing.
-        # (`buffered_check` is this test as a method, for callers that wrap a receive;
+        # (`take_now` is this test as a method, for callers that wrap a receive;
         # here it stays inline: this is the per-output path of every stream.)
         if self._pending:
             if _monotonic() < self._yield_due:

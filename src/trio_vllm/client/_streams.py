@@ -273,8 +273,8 @@ class RequestStream(Mailbox[EngineCoreOutput]):
             self._done = True
         return output
 
-    def take_buffered(self) -> EngineCoreOutput:
-        return self._take()
+    def take_now(self) -> EngineCoreOutput | None:
+        return None  # _take's bookkeeping: always the awaiting path (unused by the client)
 
     def _take_all(self) -> list[EngineCoreOutput]:
         # Only the last output needs _take's bookkeeping (a pending merge, the final
