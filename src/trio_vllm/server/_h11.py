@@ -1,6 +1,6 @@
-"""An HTTP/1.1 server on h11 over trio sockets: ``trio-vllm serve``'s default on trio.
+"""An HTTP/1.1 server on h11 over non-blocking sockets: ``trio-vllm serve``'s default on trio.
 
-Why not hypercorn's trio worker (still there: ``--http hypercorn``): for every ASGI
+Why not hypercorn's trio worker (still there: ``--http-server hypercorn``): for every ASGI
 ``http.response.body`` it runs its generic protocol stack (an h11 event, a send lock, a
 shielded cancel scope, a timer reset and ``send_all``): ~40 us a send above the socket
 (docs/performance.md), more than the rest of a streamed token's path. This server does
@@ -40,6 +40,7 @@ from urllib.parse import unquote
 
 import h11
 import trio
+from trio.lowlevel import wait_readable, wait_writable
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -113,7 +114,7 @@ class _Server:
 class _Connection:
     """One client connection: requests one after the other (h11 keeps the order)."""
 
-    def __init__(self, server: _Server, sock: trio.socket.SocketType) -> None:
+    def __init__(self, server: _Server, sock: _stdlib_socket.socket) -> None:
         self.server = server
         self.sock = sock
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
@@ -131,15 +132,25 @@ class _Connection:
     # -------------------------------------------------------------- reading
 
     async def read_more(self) -> int:
-        """Feed the socket's next bytes to h11; how many (0: EOF or a reset)."""
-        try:
-            data = await self.sock.recv(_MAX_RECV)
-        except OSError:
-            data = b""
+        """Feed the socket's next bytes to h11; how many (0: EOF or a reset).
+
+        The socket is read at once when it has bytes (no scheduler pass: the callers
+        wait elsewhere), else when it becomes readable. Cancellation: nothing read."""
+        data = await self.recv()
         if not data:
             self.broken = True
         self.h11.receive_data(data)
         return len(data)
+
+    async def recv(self) -> bytes:
+        sock = self.sock
+        while True:
+            try:
+                return sock.recv(_MAX_RECV)
+            except BlockingIOError:
+                await wait_readable(sock)
+            except OSError:
+                return b""
 
     async def next_event(self) -> Any:
         while True:
@@ -156,19 +167,28 @@ class _Connection:
         learns of a gone client from ``receive()``, as with hypercorn)."""
         if self.broken:
             return
+        sock = self.sock
         try:
-            sent = await self.sock.send(data)
+            # Written at once if the kernel takes it all (the common case): no
+            # scheduler pass per write (trio's socket send makes one), the task that
+            # writes has just woken anyway.
+            try:
+                sent = sock.send(data)
+            except BlockingIOError:
+                sent = 0
             if sent < len(data):
                 view = memoryview(data)[sent:]
                 while view:
                     try:
-                        sent = await self.sock.send(view)
+                        await wait_writable(sock)
                     except trio.Cancelled:
-                        # Part of a message is out: the rest of the connection's
-                        # bytes would no longer frame; it can only be closed.
-                        self.broken = True
+                        if len(view) < len(data):
+                            # Part of a message is out: the connection's next bytes
+                            # would no longer frame; it can only be closed.
+                            self.broken = True
                         raise
-                    view = view[sent:]
+                    with contextlib.suppress(BlockingIOError):
+                        view = view[sock.send(view) :]
         except OSError:
             self.broken = True
             scope = self.reader_scope
@@ -182,6 +202,10 @@ class _Connection:
         requests = 0
         try:
             while not server.closing:
+                # One scheduler pass per request: reads and writes that complete at
+                # once do not yield, and a client pipelining requests must not hold
+                # the loop.
+                await trio.lowlevel.checkpoint()
                 server.idle.add(self)
                 self.idle_scope = trio.CancelScope(
                     deadline=trio.current_time() + server.keep_alive_timeout
@@ -218,10 +242,7 @@ class _Connection:
         left = _LINGER_BYTES
         with trio.move_on_after(_LINGER_SECONDS):
             while left > 0:
-                try:
-                    data = await self.sock.recv(_MAX_RECV)
-                except OSError:
-                    return
+                data = await self.recv()
                 if not data:
                     return
                 left -= len(data)
@@ -480,50 +501,58 @@ async def serve_h11(
     Runs on trio only. Cancellation: closes the listener and every connection now.
     """
     server = _Server(app, keep_alive_timeout, keep_alive_max_requests, access_log)
-    listener = trio.socket.from_stdlib_socket(sock)
+    sock.setblocking(False)
     try:
         async with trio.open_nursery() as nursery:
             accepting = trio.CancelScope()
-            nursery.start_soon(_accept_loop, listener, server, nursery, accepting)
+            nursery.start_soon(_accept_loop, sock, server, nursery, accepting)
             task_status.started()
             if shutdown_trigger is None:
                 await trio.sleep_forever()
             else:
                 await shutdown_trigger()
             accepting.cancel()
-            listener.close()
+            sock.close()
             server.begin_shutdown()
             with trio.move_on_after(graceful_timeout):
                 while server.open:
                     await server.all_closed.wait()
             nursery.cancel_scope.cancel()
     finally:
-        listener.close()
+        sock.close()
 
 
 async def _accept_loop(
-    listener: trio.socket.SocketType,
+    listener: _stdlib_socket.socket,
     server: _Server,
     nursery: trio.Nursery,
     accepting: trio.CancelScope,
 ) -> None:
+    """Accept every connection waiting, then wait for more. All of a burst at once:
+    one accept per scheduler pass (trio's ``accept``, hypercorn's loop) admits a burst
+    of N clients over N passes, each as long as every running stream's work, so the
+    last of them waited for all (issue 25: TTFT p99 at concurrency 256)."""
     with accepting:
         while True:
             try:
-                client, _ = await listener.accept()
+                client, _ = listener.accept()
+            except BlockingIOError:
+                await wait_readable(listener)
+                continue
             except OSError as exc:
                 if exc.errno in _ACCEPT_CAPACITY_ERRNOS:  # out of descriptors: back off
                     logger.error("accept: %s; retrying in 100 ms", exc)
                     await trio.sleep(0.1)
                     continue
                 raise
+            client.setblocking(False)
             with contextlib.suppress(OSError):  # not TCP (a Unix socket), or reset
                 client.setsockopt(_stdlib_socket.IPPROTO_TCP, _stdlib_socket.TCP_NODELAY, 1)
             server.open += 1
             nursery.start_soon(_run_connection, server, client)
 
 
-async def _run_connection(server: _Server, sock: trio.socket.SocketType) -> None:
+async def _run_connection(server: _Server, sock: _stdlib_socket.socket) -> None:
     try:
         await _Connection(server, sock).serve()
     finally:
