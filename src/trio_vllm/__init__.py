@@ -42,10 +42,12 @@ if TYPE_CHECKING:
     from .client import SharedEngines as SharedEngines
     from .client import StartupProgress as StartupProgress
     from .client import VllmEngines as VllmEngines
+    from .client import make_pooling_request as make_pooling_request
     from .client import make_request as make_request
     from .client import new_request_id as new_request_id
     from .client import open_client as open_client
     from .client import open_shared_engines as open_shared_engines
+    from .client import prepare_pooling_params as prepare_pooling_params
     from .client import prepare_sampling_params as prepare_sampling_params
     from .inproc import InprocEngine as InprocEngine
     from .llm import LLM as LLM
@@ -132,9 +134,11 @@ _LAZY: dict[str, str] = {
     "RequestStream": ".client",
     "StartupProgress": ".client",
     "VllmEngines": ".client",
+    "make_pooling_request": ".client",
     "make_request": ".client",
     "new_request_id": ".client",
     "open_client": ".client",
+    "prepare_pooling_params": ".client",
     "prepare_sampling_params": ".client",
     "InprocEngine": ".inproc",
     "SyncClient": ".sync",

@@ -37,8 +37,9 @@ def vector_params() -> list[object]:
     return params
 
 
-#: Vectors this repository records itself (tools/record_structured_vectors.py, run with
-#: stock vLLM): ADD frames with structured outputs, per release folder.
+#: Vectors this repository records itself with stock vLLM, per release folder: ADD frames
+#: with structured outputs (tools/record_structured_vectors.py) and a pooling ADD and
+#: output (tests/vllm_tier/embed_reference.py, run by test_llm_embed_matches_vllm_llm_embed).
 REPO_VECTORS_ROOT = Path(__file__).resolve().parent / "wire_vectors"
 
 

@@ -23,15 +23,17 @@ def test_vector(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", repo_vector_files(), ids=lambda p: f"{p.parent.name}/{p.stem}")
-def test_structured_output_vector(path: Path) -> None:
-    """Our own recordings of stock vLLM's ADD frames with structured outputs."""
+def test_repo_vector(path: Path) -> None:
+    """Our own recordings of stock vLLM's frames: ADDs with structured outputs, and a
+    pooling ADD and its embedding output as ``LLM.embed`` sent and received them."""
     result = check_file(path)
     assert result.passed, f"{path.name}: {result.reason}"
 
 
-def test_structured_output_vectors_are_there() -> None:
+def test_repo_vectors_are_there() -> None:
     names = {p.stem for p in repo_vector_files()}
     assert {"add_structured_json", "add_structured_choice", "add_structured_regex"} <= names
+    assert {"add_pooling_embed_stock", "outputs_pooling_embed_stock"} <= names
 
 
 @pytest.mark.parametrize("release", RELEASES)

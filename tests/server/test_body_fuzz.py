@@ -1,8 +1,9 @@
 """Every request body, however broken, is a JSON 4xx in vLLM's error shape (issue 23).
 
-Sans-I/O first: Hypothesis drives the server's one decode path (`decode_request`) and
-the planning that follows it (`plan_completion`/`plan_chat` over a stand-in frontend
-with the shipped byte-level tokenizer) with raw bytes, mutated valid bodies and JSON
+Sans-I/O first: Hypothesis drives the server's one decode path (`decode_request`, and
+`decode_embedding_request` for ``/v1/embeddings``) and the planning that follows it
+(`plan_completion`/`plan_chat`/`plan_embedding` over a stand-in frontend with the
+shipped byte-level tokenizer) with raw bytes, mutated valid bodies and JSON
 structures over the request's own field names. The property: the body is accepted, or
 refused with `HTTPError` 4xx whose body is ``{"error": {message, type, param, code}}``;
 any other exception fails the test. Then a handful of nasty bodies through the real
@@ -22,6 +23,12 @@ from hypothesis import strategies as st
 
 from trio_vllm.reference_engine import MODEL_DIR
 from trio_vllm.server._decode import decode_request
+from trio_vllm.server._embeddings import (
+    EmbeddingRequest,
+    decode_embedding_request,
+    plan_embedding,
+    pooling_params,
+)
 from trio_vllm.server._http import HTTPError
 from trio_vllm.server._openai import plan_chat, plan_completion
 from trio_vllm.server._schemas import (
@@ -62,9 +69,14 @@ def _outcome(kind: str, body: bytes, content_type: bytes | None = _JSON) -> int:
     """200 if the body decodes and plans; else the status of its `HTTPError` (checked)."""
     refusal: HTTPError | None = None
     try:
-        req, extra = decode_request(kind, content_type, body)  # type: ignore[arg-type]
-        plan = plan_completion if isinstance(req, CompletionRequest) else plan_chat
-        plan(req, _FRONTEND, model="m", header_request_id=None, extra=extra)  # type: ignore[arg-type]
+        if kind == "embedding":
+            ereq = decode_embedding_request(content_type, body)
+            plan_embedding(ereq, _TOKENIZER)
+            pooling_params(ereq)
+        else:
+            req, extra = decode_request(kind, content_type, body)  # type: ignore[arg-type]
+            plan = plan_completion if isinstance(req, CompletionRequest) else plan_chat
+            plan(req, _FRONTEND, model="m", header_request_id=None, extra=extra)  # type: ignore[arg-type]
     except HTTPError as exc:  # anything else fails the test
         refusal = exc
     if refusal is None:
@@ -79,11 +91,13 @@ def _outcome(kind: str, body: bytes, content_type: bytes | None = _JSON) -> int:
 
 
 _SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-_KINDS = st.sampled_from(["completion", "chat"])
+_KINDS = st.sampled_from(["completion", "chat", "embedding"])
 _VALID = {
     "completion": b'{"prompt": "hello", "max_tokens": 3, "temperature": 0.5, "stop": ["x"]}',
     "chat": b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 1}',
+    "embedding": b'{"input": ["hello", "x"], "encoding_format": "base64", "model": "m"}',
 }
+_REQUIRED = {"completion": "prompt", "chat": "messages", "embedding": "input"}
 
 
 @_SETTINGS
@@ -132,6 +146,7 @@ _VALUES = st.recursive(
 _NAMES = {
     "completion": sorted({*CompletionRequest.__struct_fields__, *UNSUPPORTED_FIELDS}),
     "chat": sorted({*ChatCompletionRequest.__struct_fields__, *UNSUPPORTED_FIELDS}),
+    "embedding": sorted(EmbeddingRequest.__struct_fields__),
 }
 
 
@@ -142,15 +157,15 @@ def test_json_structures(kind: str, data: st.DataObject) -> None:
     names = st.sampled_from(_NAMES[kind]) | st.text(max_size=8)
     base.update(data.draw(st.dictionaries(names, _VALUES, max_size=5)))
     if data.draw(st.booleans()):
-        del base["messages" if kind == "chat" else "prompt"]
+        del base[_REQUIRED[kind]]
     # json.dumps writes NaN/Infinity for non-finite floats, as a sloppy client does
     _outcome(kind, json.dumps(base).encode())
 
 
 @_SETTINGS
-@given(value=_VALUES)
-def test_top_level_values(value: object) -> None:
-    assert _outcome("completion", json.dumps(value).encode()) in (200, 400)
+@given(kind=_KINDS, value=_VALUES)
+def test_top_level_values(kind: str, value: object) -> None:
+    assert _outcome(kind, json.dumps(value).encode()) in (200, 400)
 
 
 @pytest.mark.parametrize("depth", [100, 1_000, 10_000, 100_000])
@@ -166,6 +181,8 @@ def test_top_level_values(value: object) -> None:
             b"}}",
         ),
         ("completion", b"", b""),
+        ("embedding", b'{"input": ', b"}"),
+        ("embedding", b'{"input": "x", "mm_processor_kwargs": {"a": ', b"}}"),
     ],
 )
 def test_deep_nesting(kind: str, head: bytes, tail: bytes, depth: int) -> None:
@@ -195,6 +212,16 @@ NASTY: list[tuple[str, bytes]] = [
              b'"chat_template": "{{ messages[0].content + 1 }}"}'),
     ("chat", b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": []}'),
     ("chat", b'{"messages": "hi"}'),
+    ("embedding", b'{"input": "a\xff"}'),
+    ("embedding", b'{"input": [[1, 2], "a"]}'),
+    ("embedding", b'{"input": [1, 2.5]}'),
+    ("embedding", b'{"input": [' + b"9" * 5000 + b"]}"),
+    ("embedding", b'{"input": {"a": 1}}'),
+    ("embedding", b'{"input": "x", "dimensions": 1e400}'),
+    ("embedding", b'{"input": "x", "encoding_format": "bytes"}'),
+    ("embedding", b'{"input": "x", "truncate_prompt_tokens": NaN}'),
+    ("embedding", b'{"input": []}'),
+    ("embedding", b"[]"),
 ]  # fmt: skip
 
 
@@ -227,7 +254,8 @@ async def test_nasty_bodies_through_the_server(
 ) -> None:
     paths = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
     deep = b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
-    cases = [*NASTY, ("completion", deep)]
+    # (the embeddings ones go through a pooling server in test_embeddings.py)
+    cases = [*((k, b) for k, b in NASTY if k in paths), ("completion", deep)]
     with caplog.at_level(logging.INFO):
         async with serving(frontend, max_body_bytes=200_000) as served:
             for kind, body in cases:

@@ -1,12 +1,15 @@
 """Every request field the server declares is implemented or refused, never dropped.
 
-Table-driven over `DECLARED_FIELDS` (each declared field of the two request structs)
-and `UNSUPPORTED_FIELDS` (vLLM's fields trio-vllm does not declare). Sans-I/O: the
+Table-driven over `DECLARED_FIELDS` (each declared field of the completions, chat and
+embeddings request structs) and `UNSUPPORTED_FIELDS` (vLLM's generation fields trio-vllm
+does not declare). Sans-I/O: the
 ASGI app is called in this process with a stand-in frontend (the real tokenizer of the
 shipped tiny-llama directory; no engine, no socket):
 
 * an "implemented" field, set to a sample value, changes the plan the server would send
-  (prompt ids, ``SamplingParams``, response flags) against the same request without it;
+  (prompt ids, ``SamplingParams``, response flags; for embeddings the prompts, the
+  ``PoolingParams`` and the answer built from a fixed vector) against the same request
+  without it;
 * an "accepted" field (vLLM does nothing with it either) leaves the plan as it is;
 * a "refused" field gets HTTP 400 whose ``param`` names it, and nothing is generated.
 
@@ -23,9 +26,17 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import pytest
 
+from trio_vllm.protocol import LoRARequest
 from trio_vllm.reference_engine import TINY_LLAMA_DIR
 from trio_vllm.server import OpenAIServer, ToolOptions
 from trio_vllm.server._decode import decode_request
+from trio_vllm.server._embeddings import (
+    EmbeddingRequest,
+    decode_embedding_request,
+    embedding_response,
+    plan_embedding,
+    pooling_params,
+)
 from trio_vllm.server._openai import GenerationPlan, plan_chat, plan_completion
 from trio_vllm.server._schemas import (
     DECLARED_FIELDS,
@@ -33,7 +44,12 @@ from trio_vllm.server._schemas import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from trio_vllm.text import SamplingDefaults, load_tokenizer
+from trio_vllm.text import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    SamplingDefaults,
+    load_tokenizer,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -41,11 +57,18 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.anyio
 
 _TOKENIZER = load_tokenizer(TINY_LLAMA_DIR)
-_PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+_PATHS = {
+    "completion": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "embedding": "/v1/embeddings",
+}
+_GENERATION = ("chat", "completion")
 _BASE: dict[str, dict[str, Any]] = {
     "completion": {"prompt": "hello"},
     "chat": {"messages": [{"role": "user", "content": "hello"}]},
+    "embedding": {"input": "hello"},
 }
+_VECTOR = [0.25, -0.5, 1.0]
 
 
 class _Client:
@@ -68,6 +91,14 @@ class _Frontend:
     def generate(self, *args: object, **kwargs: object) -> Any:
         raise AssertionError("a refused request reached generate")
 
+    async def embed(self, prompts: list[Any], **kwargs: object) -> list[EmbeddingRequestOutput]:
+        # Only requests the server accepted get here: one fixed vector per prompt.
+        self.embed_calls.append(kwargs)
+        return [_embedded(p) for p in prompts]
+
+    def __init__(self) -> None:
+        self.embed_calls: list[dict[str, object]] = []
+
     def render_chat(
         self,
         messages: Sequence[Mapping[str, object]],
@@ -83,6 +114,11 @@ class _Frontend:
             sort_keys=True,
         )
         return text, _TOKENIZER.encode(text, add_special_tokens=False)
+
+
+def _embedded(prompt: object) -> EmbeddingRequestOutput:
+    ids = _TOKENIZER.encode(prompt) if isinstance(prompt, str) else [1, 2]
+    return EmbeddingRequestOutput("r", EmbeddingOutput(list(_VECTOR)), ids, 0, True)
 
 
 _TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
@@ -145,9 +181,31 @@ _SAMPLES: dict[str, dict[str, tuple[dict[str, Any], object]]] = {
         "tools": ({}, [_TOOL]),
         "tool_choice": ({"tools": [_TOOL]}, "none"),
     },
+    "embedding": {
+        "input": ({}, ["other", "two"]),
+        "model": ({}, "tiny-llama"),
+        "encoding_format": ({}, "base64"),
+        "dimensions": ({}, 2),
+        "user": ({}, "someone"),
+        "use_activation": ({}, False),
+        "add_special_tokens": ({}, False),
+        "embed_dtype": ({}, "float16"),
+        "endianness": ({"encoding_format": "base64"}, "big"),
+        "request_id": ({}, "my-id"),
+        "padding": ({}, "max_length"),
+        "truncate_prompt_tokens": ({}, 3),
+        "truncation_side": ({}, "left"),
+        "priority": ({}, 1),
+        "mm_processor_kwargs": ({}, {"a": 1}),
+        "cache_salt": ({}, "salt"),
+    },
 }
 
-_STRUCTS = {"completion": CompletionRequest, "chat": ChatCompletionRequest}
+_STRUCTS: dict[str, type[msgspec.Struct]] = {
+    "completion": CompletionRequest,
+    "chat": ChatCompletionRequest,
+    "embedding": EmbeddingRequest,
+}
 
 
 def _sample(kind: str, name: str) -> tuple[dict[str, Any], object]:
@@ -202,7 +260,21 @@ async def _call(app: OpenAIServer, path: str, body: dict[str, Any]) -> _Sent:
 _TOOL_FLAGS = ToolOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
 
 
-def _plan(kind: str, body: dict[str, Any]) -> GenerationPlan:
+def _plan(kind: str, body: dict[str, Any]) -> Any:
+    """What the server would send (and answer) for ``body``: a `GenerationPlan`, or for
+    an embedding the prompts, the pooling parameters and the answer to fixed vectors."""
+    if kind == "embedding":
+        ereq = decode_embedding_request(b"application/json", json.dumps(body).encode())
+        prompts = plan_embedding(ereq, _TOKENIZER)
+        answer = json.loads(embedding_response(ereq, [_embedded(p) for p in prompts], "tiny-llama"))
+        del answer["created"]
+        if ereq.request_id is None:  # a random id unless the request names one
+            answer["id"] = answer["id"][:5]
+        return {
+            "prompts": prompts,
+            "params": msgspec.structs.asdict(pooling_params(ereq)),
+            "answer": answer,
+        }
     app = OpenAIServer(_Frontend(), tool_options=_TOOL_FLAGS)  # type: ignore[arg-type]
     req, extra = decode_request(kind, b"application/json", json.dumps(body).encode())  # type: ignore[arg-type]
     if kind == "completion":
@@ -219,7 +291,9 @@ def _plan(kind: str, body: dict[str, Any]) -> GenerationPlan:
     )
 
 
-def _snapshot(plan: GenerationPlan) -> dict[str, object]:
+def _snapshot(plan: Any) -> dict[str, object]:
+    if not isinstance(plan, GenerationPlan):
+        return dict(plan)
     out = {name: getattr(plan, name) for name in GenerationPlan.__slots__ if name != "created"}
     out["params"] = [msgspec.structs.asdict(p) for p in plan.params]
     # The per-choice parsers are fresh objects per plan: compare what they parse for.
@@ -227,10 +301,16 @@ def _snapshot(plan: GenerationPlan) -> dict[str, object]:
     return out
 
 
+def _app(kind: str) -> OpenAIServer:
+    tasks = ("embed",) if kind == "embedding" else ("generate",)
+    return OpenAIServer(_Frontend(), supported_tasks=tasks)  # type: ignore[arg-type]
+
+
 def test_the_tables_cover_the_request_structs() -> None:
     for kind, struct in _STRUCTS.items():
         assert set(DECLARED_FIELDS[kind]) == set(struct.__struct_fields__), kind
-    for kind in _STRUCTS:
+    assert set(DECLARED_FIELDS) == set(_STRUCTS)
+    for kind in _GENERATION:  # the generation endpoints' undeclared vLLM fields
         assert not UNSUPPORTED_FIELDS.keys() & DECLARED_FIELDS[kind].keys()
 
 
@@ -244,7 +324,7 @@ def test_every_declared_field_has_a_sample() -> None:
 def test_an_implemented_field_changes_the_plan(kind: str, name: str) -> None:
     extra, value = _sample(kind, name)
     base = {**_BASE[kind], **extra}
-    if name == "request_id":  # the X-Request-Id header wins, as in vLLM
+    if name == "request_id" and kind != "embedding":  # the X-Request-Id header wins
         plan = _plan(kind, {**base, name: value})
         assert plan.request_id.endswith("-fixed")
         return
@@ -253,9 +333,27 @@ def test_an_implemented_field_changes_the_plan(kind: str, name: str) -> None:
         assert app._check_model(str(value)) == "tiny-llama"
         with pytest.raises(Exception, match="does not exist"):
             app._check_model("another-model")
-        return
+        return  # the embeddings endpoint's own check: test_embedding_model_is_checked
     before, after = _snapshot(_plan(kind, base)), _snapshot(_plan(kind, {**base, name: value}))
     assert before != after, f"{kind}.{name} = {value!r} changed nothing: dropped"
+
+
+async def test_embedding_model_is_checked() -> None:
+    app = _app("embedding")
+    sent = await _call(app, _PATHS["embedding"], {"input": "a", "model": "tiny-llama"})
+    assert sent.status == 200, sent.body
+    assert json.loads(sent.body)["data"][0]["embedding"] == _VECTOR
+    sent = await _call(app, _PATHS["embedding"], {"input": "a", "model": "another-model"})
+    assert sent.status == 404, sent.body
+    assert json.loads(sent.body)["error"]["message"] == "The model `another-model` does not exist."
+    # a LoRA adapter's name is a model: its request pools with the adapter
+    adapter = LoRARequest("ad", 1, "/nowhere")
+    app.loras.requests["ad"] = adapter
+    sent = await _call(app, _PATHS["embedding"], {"input": "a", "model": "ad"})
+    assert sent.status == 200, sent.body
+    assert json.loads(sent.body)["model"] == "ad"
+    frontend: Any = app.llm
+    assert [c["lora_request"] for c in frontend.embed_calls] == [None, adapter]
 
 
 @pytest.mark.parametrize(("kind", "name"), _cases("accepted"))
@@ -268,7 +366,7 @@ def test_an_accepted_field_changes_nothing(kind: str, name: str) -> None:
 @pytest.mark.parametrize(("kind", "name"), _cases("refused"))
 async def test_a_refused_field_gets_400_naming_it(kind: str, name: str) -> None:
     extra, value = _sample(kind, name)
-    app = OpenAIServer(_Frontend())  # type: ignore[arg-type]
+    app = _app(kind)
     sent = await _call(app, _PATHS[kind], {**_BASE[kind], **extra, name: value})
     assert sent.status == 400, sent.body
     error = json.loads(sent.body)["error"]
@@ -283,7 +381,7 @@ _REFUSED_VALUES: dict[str, object] = {}
 
 
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED_FIELDS))
-@pytest.mark.parametrize("kind", sorted(_PATHS))
+@pytest.mark.parametrize("kind", _GENERATION)
 async def test_an_undeclared_vllm_field_is_refused_unless_harmless(
     kind: str, name: str, caplog: pytest.LogCaptureFixture
 ) -> None:

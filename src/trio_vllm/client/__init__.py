@@ -16,8 +16,10 @@ from ._engines import ExternalEngines as ExternalEngines
 from ._engines import ReferenceEngines as ReferenceEngines
 from ._engines import VllmEngines as VllmEngines
 from ._options import ClientOptions as ClientOptions
+from ._prepare import make_pooling_request as make_pooling_request
 from ._prepare import make_request as make_request
 from ._prepare import new_request_id as new_request_id
+from ._prepare import prepare_pooling_params as prepare_pooling_params
 from ._prepare import prepare_sampling_params as prepare_sampling_params
 from ._shared import AttachedEngines as AttachedEngines
 from ._shared import EngineAttachment as EngineAttachment
@@ -39,10 +41,12 @@ __all__ = [
     "SharedEngines",
     "StartupProgress",
     "VllmEngines",
+    "make_pooling_request",
     "make_request",
     "new_request_id",
     "open_client",
     "open_shared_engines",
+    "prepare_pooling_params",
     "prepare_sampling_params",
 ]
 

@@ -33,7 +33,12 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from .._exceptions import EngineDeadError, EngineStartupError, ProtocolError
+from .._exceptions import (
+    EngineDeadError,
+    EngineStartupError,
+    InvalidRequestError,
+    ProtocolError,
+)
 from ..protocol.liveness import STALL_PROBE, heartbeat_timing
 from ..protocol.session import (
     ClientSession,
@@ -47,6 +52,7 @@ from ..protocol.session import (
     ResolveCall,
     SendWave,
 )
+from ..protocol.structs import EngineCoreOutput, EngineCoreRequest, FinishReason
 from . import _args
 from ._calls import call_all, call_one
 from ._engines import check_sources
@@ -83,7 +89,7 @@ if TYPE_CHECKING:
 
     from ..protocol.profiles import ProtocolProfile
     from ..protocol.session import DeathRecord
-    from ..protocol.structs import EngineCoreOutputs, EngineCoreRequest
+    from ..protocol.structs import EngineCoreOutputs
     from ._engines import EngineSource
     from ._process import EngineProcess
     from ._types import Session, ShellAction
@@ -516,6 +522,43 @@ class EngineCoreClient(NamedUtilities):
             if sent and not stream.finished:
                 stream.aborted = True
                 await self._sender.send_abort(target, [request_id])
+
+    async def encode(
+        self, request: EngineCoreRequest, *, rank: int | None = None
+    ) -> EngineCoreOutput:
+        """Send a pooling request and return its final output (vLLM's ``encode``).
+
+        ``request.pooling_params`` must be set (`make_pooling_request` builds one); the
+        result's ``pooling_output`` is the tensor the engine pooled (an embedding
+        ``[hidden]``, per-token rows ``[tokens, hidden]``, class scores...), its
+        ``finish_reason`` STOP. The first call asks an engine for its supported tasks
+        (``get_supported_tasks``, once per client): a task the model does not run
+        would kill a stock engine, so it is refused here with vLLM's message.
+
+        A request aborted (by the engine, or by `abort_requests` from another task)
+        returns an output with ``finish_reason`` ABORT (or ERROR) and no
+        ``pooling_output``. Raises `InvalidRequestError` (a ``ValueError``) before
+        anything is sent for an invalid request, `EngineDeadError` if the engines die.
+        Cancellation: the request is aborted on the engine (as leaving `generate`
+        early); a cancelled first call may have cached the supported tasks, nothing else.
+        """
+        self._owner.check("encode")
+        if getattr(request, "pooling_params", None) is None:
+            raise InvalidRequestError(
+                "encode needs an EngineCoreRequest with pooling_params set "
+                "(make_pooling_request); use generate for sampling requests",
+                field="pooling_params",
+            )
+        if self._wire.supported_tasks is None:
+            tasks = await self.get_supported_tasks()
+            self._wire.supported_tasks = frozenset(str(t) for t in tasks)
+        last: EngineCoreOutput | None = None
+        async with self.generate(request, rank=rank) as stream:
+            async for output in stream:
+                last = output
+        if last is None or last.finish_reason is None:  # aborted by the client
+            return EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT)
+        return last
 
     # ------------------------------------------------------------------ utilities
 

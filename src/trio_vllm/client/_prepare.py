@@ -19,18 +19,26 @@ import msgspec
 from ..protocol.rules import (
     DEFAULTED_MAX_TOKENS,
     NO_LIMITS,
+    POOLING,
     PROMPT,
     SAMPLING,
     SAMPLING_RAW,
     Limits,
     PromptInput,
+    with_pooling_defaults,
 )
-from ..protocol.structs import EngineCoreRequest, LoRARequest, SamplingParams
+from ..protocol.structs import EngineCoreRequest, LoRARequest, PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
-__all__ = ["make_request", "new_request_id", "prepare_sampling_params"]
+__all__ = [
+    "make_pooling_request",
+    "make_request",
+    "new_request_id",
+    "prepare_pooling_params",
+    "prepare_sampling_params",
+]
 
 
 def new_request_id(prefix: str = "req") -> str:
@@ -171,6 +179,75 @@ def make_request(
         request_id=request_id if request_id is not None else new_request_id(),
         prompt_token_ids=prompt,
         sampling_params=params,
+        arrival_time=time.time(),
+        lora_request=lora_request,
+        cache_salt=cache_salt,
+        data_parallel_rank=data_parallel_rank,
+        priority=priority,
+    )
+
+
+def prepare_pooling_params(params: PoolingParams, *, task: str | None = None) -> PoolingParams:
+    """Return a copy of ``params`` with vLLM's frontend duties done for a pooling request.
+
+    vLLM's frontend (``PoolingParams.verify``) sets what the engine reads without a
+    default of its own: ``task`` (``task`` here, when given, else ``params.task``),
+    ``use_activation`` (``True`` unless set: the engine then normalises an embedding
+    and applies a classifier's activation) and ``skip_reading_prefix_cache`` (``True``
+    for the per-token tasks, ``False`` otherwise). Raises `InvalidRequestError` (a
+    ``ValueError``) for what would kill a stock engine (no task, an unknown one) and for
+    what vLLM refuses of any model (a classifier's ``dimensions``).
+    """
+    if not isinstance(params, PoolingParams):
+        raise TypeError(f"expected a PoolingParams, got {type(params).__name__}")
+    prepared = with_pooling_defaults(params, task)
+    POOLING.raise_for(prepared)
+    return prepared
+
+
+def make_pooling_request(
+    prompt_token_ids: Sequence[int],
+    *,
+    task: str = "embed",
+    dimensions: int | None = None,
+    use_activation: bool | None = None,
+    pooling_params: PoolingParams | None = None,
+    request_id: str | None = None,
+    max_model_len: int | None = None,
+    priority: int = 0,
+    cache_salt: str | None = None,
+    lora_request: LoRARequest | None = None,
+    data_parallel_rank: int | None = None,
+) -> EngineCoreRequest:
+    """A pooling request (embed, classify, token_embed, token_classify) for
+    ``prompt_token_ids``, as vLLM's frontend builds it (`prepare_pooling_params`).
+
+    Pass ``pooling_params`` to take full control (``task`` then only fills a missing
+    task; ``dimensions`` and ``use_activation`` are ignored). With ``max_model_len`` the
+    prompt length is checked: a pooling prompt may fill the whole context
+    (``len(prompt) <= max_model_len``; nothing is generated). The engine must support
+    the task (``get_supported_tasks``): `EngineCoreClient.encode` checks that before
+    sending.
+
+    Raises `InvalidRequestError` (a ``ValueError``) with vLLM's message for an empty
+    prompt, a token id no vocabulary has, a prompt that does not fit, and pooling
+    params a stock engine cannot run.
+    """
+    prompt = [int(t) for t in prompt_token_ids]
+    limits = NO_LIMITS if max_model_len is None else _limits(max_model_len)
+    PROMPT.raise_for(PromptInput(prompt, len(prompt), False, False), limits, engine_only=True)
+    if pooling_params is None:
+        params = prepare_pooling_params(
+            PoolingParams(task=task, dimensions=dimensions, use_activation=use_activation)
+        )
+    else:
+        params = prepare_pooling_params(
+            pooling_params, task=pooling_params.task if pooling_params.task else task
+        )
+    return EngineCoreRequest(
+        request_id=request_id if request_id is not None else new_request_id(),
+        prompt_token_ids=prompt,
+        pooling_params=params,
         arrival_time=time.time(),
         lora_request=lora_request,
         cache_salt=cache_salt,

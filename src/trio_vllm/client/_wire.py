@@ -46,6 +46,8 @@ class Wire:
         self.supports_lora: bool | None = None
         # The model's vocabulary size, when the caller knows it (open_client(vocab_size=)).
         self._vocab_size: int | None = None
+        # The engines' tasks, once a pooling call asked (get_supported_tasks).
+        self._supported_tasks: frozenset[str] | None = None
         # What the request rules may know, rebuilt when a limit changes (not per request).
         self.limits = Limits(num_clients=1)
         self._codec = ClientCodec(
@@ -109,6 +111,15 @@ class Wire:
         self._vocab_size = value
         self._update_limits()
 
+    @property
+    def supported_tasks(self) -> frozenset[str] | None:
+        return self._supported_tasks
+
+    @supported_tasks.setter
+    def supported_tasks(self, value: frozenset[str] | None) -> None:
+        self._supported_tasks = value
+        self._update_limits()
+
     def set_limits(self, ready_responses: Mapping[int, Mapping[str, Any]]) -> None:
         """Take the engines' limits from their ready responses (for validation)."""
         lens = [r["max_model_len"] for r in ready_responses.values() if "max_model_len" in r]
@@ -122,6 +133,7 @@ class Wire:
             max_model_len=self.max_model_len,
             vocab_size=self._vocab_size,
             supports_lora=self.supports_lora,
+            supported_tasks=self._supported_tasks,
             num_clients=self.client_count,
         )
 

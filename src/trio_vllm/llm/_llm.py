@@ -10,6 +10,7 @@ the per-request ones a ``generate`` block owns for ``n > 1``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from typing import TYPE_CHECKING, Unpack
@@ -18,17 +19,21 @@ import anyio
 import msgspec
 
 from .._exceptions import InvalidRequestError
-from ..protocol import RequestOutputKind, SamplingParams
+from ..protocol import EngineCoreRequest, RequestOutputKind, SamplingParams
+from ..protocol.rules import POOLING_TASKS
 from ._stream import RequestOutputStream
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Mapping, Sequence
 
     from ..client import ClientOptions, EngineCoreClient, EngineSource
-    from ..protocol import LoRARequest
+    from ..protocol import LoRARequest, PoolingParams
+    from ..protocol.rules import Limits
     from ..text import (
         ChatMessage,
+        EmbeddingRequestOutput,
         ModelFiles,
+        PoolingRequestOutput,
         ProcessedRequest,
         Prompt,
         RequestOutput,
@@ -92,6 +97,8 @@ class LLM:
         self._new_id = random_uuid
         self._outputs = OutputProcessor(tokenizer)
         self._streams: dict[str, list[RequestOutputStream]] = {}
+        self._supported_tasks: tuple[str, ...] | None = None
+        self._pooling_limits: Limits | None = None
 
     def __repr__(self) -> str:
         return f"<LLM {self.model_name!r} requests={self.num_requests}>"
@@ -266,6 +273,119 @@ class LLM:
             tools=tools,
         )
 
+    # ------------------------------------------------------------------ pooling
+
+    async def supported_tasks(self) -> tuple[str, ...]:
+        """The tasks the engines run (``get_supported_tasks``, asked once): e.g.
+        ``("generate",)``, or ``("embed", "token_embed")`` for ``--runner pooling
+        --convert embed``. Cancellation: nothing changed; the next call asks again."""
+        if self._supported_tasks is None:
+            tasks = await self.client.get_supported_tasks()
+            self._supported_tasks = tuple(str(t) for t in tasks)
+        return self._supported_tasks
+
+    def _pooling_rules(self, tasks: tuple[str, ...]) -> Limits:
+        if self._pooling_limits is None:
+            from ..text import pooling_model_of
+
+            self._pooling_limits = dataclasses.replace(
+                self._inputs.limits,
+                supported_tasks=frozenset(tasks),
+                pooling_model=pooling_model_of(self.model_name, self.files.text_config),
+            )
+        return self._pooling_limits
+
+    async def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        *,
+        pooling_task: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool ``prompts`` (one, or a list) with the model: vLLM's ``LLM.encode``.
+
+        The engines must be a pooling model (``--runner pooling``: some pooling task
+        among their supported tasks), else `InvalidRequestError` with vLLM's message.
+        ``pooling_task`` is required (``"embed"``, ``"token_embed"``, ``"classify"``,
+        ``"token_classify"``) and must be one the engines run. Every prompt is tokenized
+        and checked first (vLLM's messages, `InvalidRequestError`): nothing is sent
+        unless all are valid (a pooling prompt may fill the whole context). Then all are
+        sent at once and the results come back in prompt order, each the engine's pooled
+        tensor (normalised for ``embed`` unless ``use_activation=False``).
+
+        Cancellation (or an error in one request) aborts every request still on the
+        engine. Engine death raises `EngineDeadError`; an engine-side abort
+        ``RuntimeError``.
+        """
+        from ..text import internal_request_id, prepare_pooling, to_pooling_output
+
+        tasks = await self.supported_tasks()
+        if not POOLING_TASKS.intersection(tasks):
+            # vLLM's LLM checks its runner first: a generate model runs no pooling task.
+            raise InvalidRequestError(
+                "LLM.encode() is only supported for pooling models. Try passing "
+                "`--runner pooling` to use the model as a pooling model."
+            )
+        if pooling_task is None:
+            raise InvalidRequestError(
+                "pooling_task required for `LLM.encode`. Please use one of the more "
+                'specific methods or set the pooling_task: LLM.embed(...) or pooling_task="embed"'
+            )
+        if pooling_task not in tasks:
+            kind = "Embedding" if pooling_task in ("embed", "token_embed") else "Classification"
+            convert = "embed" if kind == "Embedding" else "classify"
+            raise InvalidRequestError(
+                f"{kind} API is not supported by this model. Try converting the model "
+                f"using `--convert {convert}`."
+            )
+        limits = self._pooling_rules(tasks)
+        params = prepare_pooling(pooling_params, pooling_task, limits)
+        planned = []
+        for prompt in _as_prompt_list(prompts):
+            text, ids = self._inputs.tokenize_prompt(prompt, generate=False)
+            external = self._new_id()
+            request = EngineCoreRequest(
+                internal_request_id(external),
+                prompt_token_ids=ids,
+                pooling_params=params,
+                lora_request=lora_request,
+                external_req_id=external,
+            )
+            planned.append((external, text, ids, request))
+        results: list[PoolingRequestOutput | None] = [None] * len(planned)
+
+        async def run(index: int) -> None:
+            external, text, ids, request = planned[index]
+            output = await self.client.encode(request)
+            results[index] = to_pooling_output(
+                output, request_id=external, prompt_token_ids=ids, prompt=text
+            )
+
+        if len(planned) == 1:
+            await run(0)
+        else:
+            async with anyio.create_task_group() as tg:
+                for index in range(len(planned)):
+                    tg.start_soon(run, index)
+        return [r for r in results if r is not None]
+
+    async def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt: vLLM's ``LLM.embed`` (`encode` with
+        ``pooling_task="embed"``; errors and cancellation as there)."""
+        from ..text import EmbeddingRequestOutput
+
+        outputs = await self.encode(
+            prompts, pooling_params, pooling_task="embed", lora_request=lora_request
+        )
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
     async def abort(self, request_id: str) -> None:
         """Abort every request in flight under the external id ``request_id``.
 
@@ -288,6 +408,20 @@ def final_only(defaults: SamplingDefaults, params: SamplingParams | None) -> Sam
     if params is None:
         return defaults.sampling_params(output_kind=RequestOutputKind.FINAL_ONLY)
     return msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def _as_prompt_list(prompts: object) -> list[Prompt]:
+    """vLLM's ``parse_and_batch_prompt``: a string, a dict or a list of ints is one
+    prompt; any other list is a batch (``InvalidRequestError`` if empty)."""
+    if isinstance(prompts, str | dict) or (
+        isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]  # type: ignore[list-item]
+    if isinstance(prompts, list | tuple):
+        if not prompts:
+            raise InvalidRequestError("You must pass at least one prompt")
+        return list(prompts)
+    return [prompts]  # type: ignore[list-item]
 
 
 def _default_name(model: str | os.PathLike[str]) -> str:

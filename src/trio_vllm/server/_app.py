@@ -23,6 +23,7 @@ import sniffio
 
 from .._exceptions import EngineDeadError, InvalidRequestError
 from .._version import __version__
+from . import _embeddings
 from ._decode import RequestKind, check_json, decode_request, decode_struct
 from ._http import (
     ASGIReceive,
@@ -67,7 +68,7 @@ from ._tokenize import (
 from ._tools import ToolOptions
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Sequence
+    from collections.abc import Awaitable, Callable, Collection, Sequence
 
     _Endpoint = Callable[[Scope, ASGIReceive, ASGISend], Awaitable[int]]
 
@@ -125,6 +126,9 @@ class OpenAIServer:
             them, instead of one event per engine output (the default). Fewer, larger
             events: less CPU per request under load, coarser timing for the client. A
             completions request with a list of prompts is merged per prompt either way.
+        supported_tasks: the engines' tasks (``llm.supported_tasks()``): the routes
+            follow them as ``vllm serve``'s do (completions and chat with
+            ``generate``, ``/v1/embeddings`` with ``embed``; the others answer 404).
         tool_options: ``--enable-auto-tool-choice``, ``--tool-call-parser`` and
             ``--reasoning-parser`` as `ToolOptions` (default: none of them, as vllm serve).
 
@@ -143,6 +147,7 @@ class OpenAIServer:
         model_root: str | None = None,
         system_fingerprint: str | None = f"trio-vllm-{__version__}",
         merge_outputs: bool = False,
+        supported_tasks: Collection[str] = ("generate",),
         tool_options: ToolOptions | None = None,
         lora_modules: Sequence[LoRAModulePath] = (),
         allow_runtime_lora_updating: bool | None = None,
@@ -169,12 +174,11 @@ class OpenAIServer:
         self._open: dict[int, _Open] = {}
         self._next = 0
         self._created = int(time.time())
+        self.supported_tasks = tuple(supported_tasks)
         self.loras = LoRAAdapters(names)
         self._static_loras = list(lora_modules)
         self._lora_lock = anyio.Lock()
         self._routes: dict[str, tuple[str, _Endpoint]] = {
-            "/v1/completions": ("POST", self._completions),
-            "/v1/chat/completions": ("POST", self._chat),
             "/v1/models": ("GET", self._models),
             "/tokenize": ("POST", self._tokenize),
             "/detokenize": ("POST", self._detokenize),
@@ -183,6 +187,11 @@ class OpenAIServer:
             "/version": ("GET", self._version),
             "/metrics": ("GET", self._metrics),
         }
+        if "generate" in self.supported_tasks:
+            self._routes["/v1/completions"] = ("POST", self._completions)
+            self._routes["/v1/chat/completions"] = ("POST", self._chat)
+        if "embed" in self.supported_tasks:
+            self._routes["/v1/embeddings"] = ("POST", self._embeddings)
         if allow_runtime_lora_updating is None:
             allow_runtime_lora_updating = runtime_lora_updating_allowed()
         if allow_runtime_lora_updating:
@@ -493,6 +502,62 @@ class OpenAIServer:
         finally:
             del self._open[key]
             self.metrics.request_ended()
+
+    async def _embeddings(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        """``/v1/embeddings``: the body through the one decode path, every prompt checked
+        before any is sent; a disconnect aborts the requests (nothing answered)."""
+        try:
+            body = await read_body(scope, receive, self.max_body_bytes)
+        except ClientDisconnected:
+            return 0
+        except HTTPError as exc:
+            await send_error(send, exc)
+            return exc.status
+        outcome = _Outcome()
+        try:
+            req = _embeddings.decode_embedding_request(header(scope, b"content-type"), body)
+            lora = self.loras.get(req.model)
+            if req.model and req.model not in self._name_set and lora is None:
+                raise HTTPError(
+                    f"The model `{req.model}` does not exist.", 404, err_type="NotFoundError"
+                )
+            if self.dead:
+                raise _dead_error()
+            prompts = _embeddings.plan_embedding(req, self.llm.tokenizer)
+            frontend: _embeddings.EmbeddingFrontend = self.llm  # type: ignore[assignment]
+            outputs = None
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, outcome)
+                try:
+                    outputs = await frontend.embed(
+                        prompts,
+                        pooling_params=_embeddings.pooling_params(req),
+                        lora_request=lora,
+                    )
+                finally:
+                    tg.cancel_scope.cancel()
+            if outputs is None:
+                return 0  # the client went away: its requests were aborted
+            header_id = header(scope, b"x-request-id")
+            payload = _embeddings.embedding_response(
+                req,
+                outputs,
+                self.model_names[0] if lora is None else lora.lora_name,
+                header_request_id=None if header_id is None else header_id.decode("latin-1"),
+            )
+        except BaseExceptionGroup as group:
+            error = _as_http_error(_first_error(group))
+            await send_error(send, error)
+            return error.status
+        except (HTTPError, InvalidRequestError, EngineDeadError) as exc:
+            error = _as_http_error(exc)
+            if isinstance(exc, EngineDeadError):
+                self.mark_dead()
+            await send_error(send, error)
+            return error.status
+        outcome.done(200)
+        await send_bytes(send, 200, payload)
+        return 200
 
     def _check_model(self, model: str | None) -> str:
         """The name responses carry: the first served name, or a LoRA adapter's."""

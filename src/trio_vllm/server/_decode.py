@@ -11,7 +11,8 @@ Duplicate keys are accepted, the last one winning, and a leading UTF-8 byte orde
 is skipped, as Python's ``json`` (and so ``vllm serve``) takes them.
 
 Every endpoint with a body decodes it here: completions and chat (`decode_request`),
-``/tokenize`` and ``/detokenize`` (``_tokenize``), the LoRA endpoints.
+``/v1/embeddings`` (`decode_body`, from ``_embeddings``), ``/tokenize`` and
+``/detokenize`` (``_tokenize``), the LoRA endpoints.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "RequestKind",
     "check_json",
+    "decode_body",
     "decode_object",
     "decode_request",
     "decode_struct",
@@ -111,6 +113,29 @@ def decode_value(raw: msgspec.Raw | bytes) -> object:
         raise _bad(f"JSON decode error: {exc}") from None
     except RecursionError:
         raise _bad("JSON decode error: nested too deeply") from None
+
+
+def decode_body(
+    decoder: msgspec.json.Decoder[T],
+    fields: frozenset[str],
+    content_type: bytes | None,
+    body: bytes,
+) -> tuple[T, dict[str, object]]:
+    """A JSON body of any endpoint: its request struct (``decoder``'s) and the values of
+    the keys not in ``fields``, which are logged as ignored (vLLM's ``extra="allow"``).
+
+    Raises `HTTPError` (400) for every malformed body and nothing else. Synchronous.
+    """
+    check_json(content_type)
+    raw = decode_object(body)  # keys first: a non-object top level is its own 400
+    req = decode_struct(decoder, body)
+    unknown = raw.keys() - fields
+    extra: dict[str, object] = {k: decode_value(raw[k]) for k in unknown}
+    if unknown:
+        logger.warning(
+            "The following fields were present in the request but ignored: %s", sorted(unknown)
+        )
+    return req, extra
 
 
 def decode_request(

@@ -154,6 +154,7 @@ async def run_openai_server(
             **(client_options or {}),
         ) as llm:
             frontend: TextFrontend = llm
+            tasks = await llm.supported_tasks()  # which routes vllm serve would offer
             app = OpenAIServer(
                 frontend,
                 served_model_names=served_model_names,
@@ -164,6 +165,7 @@ async def run_openai_server(
                 tool_options=tool_options,
                 lora_modules=lora_modules,
                 allow_runtime_lora_updating=allow_runtime_lora_updating,
+                supported_tasks=tasks,
             )
             await app.load_static_loras()
 

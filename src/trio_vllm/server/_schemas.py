@@ -140,6 +140,7 @@ FieldSupport = Literal["implemented", "accepted", "refused"]
 DECLARED_FIELDS: dict[str, dict[str, FieldSupport]] = {
     "completion": {},
     "chat": {},
+    "embedding": {},  # server/_embeddings.py's EmbeddingRequest
 }
 _SHARED_SUPPORT: dict[str, FieldSupport] = {
     "model": "implemented",
@@ -198,6 +199,25 @@ DECLARED_FIELDS["chat"].update(
     chat_template_kwargs="implemented",
     tools="implemented",
     tool_choice="implemented",
+)
+DECLARED_FIELDS["embedding"].update(
+    # vLLM 0.32.0's EmbeddingCompletionRequest, every field
+    input="implemented",
+    model="implemented",
+    encoding_format="implemented",  # float and base64; the bytes formats get their own 400
+    dimensions="implemented",  # POOLING rules: refused as vLLM refuses it
+    user="accepted",
+    use_activation="implemented",
+    add_special_tokens="implemented",
+    embed_dtype="refused",  # float32 only
+    endianness="implemented",
+    request_id="implemented",
+    padding="refused",
+    truncate_prompt_tokens="refused",
+    truncation_side="refused",
+    priority="refused",
+    mm_processor_kwargs="refused",
+    cache_salt="refused",
 )
 
 #: Fields of vLLM's request models that trio-vllm does not declare, with the values it

@@ -400,6 +400,12 @@ class SyncClient(NamedUtilities):
         )
         return SyncRequestStream(self._loop, context, stream)
 
+    def encode(self, request: EngineCoreRequest, *, rank: int | None = None) -> EngineCoreOutput:
+        """Send a pooling request and block until its final output (see
+        `EngineCoreClient.encode`); ``ValueError`` before sending if invalid. Ctrl-C
+        while waiting aborts the request on the engine."""
+        return self._call(self.async_client.encode, request, rank=rank)
+
     # ------------------------------------------------------------------ utilities
 
     def call_utility(self, method: str, *args: object, rank: int | None = None) -> object:

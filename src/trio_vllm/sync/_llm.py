@@ -33,8 +33,16 @@ if TYPE_CHECKING:
 
     from ..client import ClientOptions, EngineCoreClient, EngineSource
     from ..llm._stream import RequestOutputStream
-    from ..protocol import LoRARequest, SamplingParams
-    from ..text import ChatMessage, ModelFiles, Prompt, RequestOutput, Tokenizer
+    from ..protocol import LoRARequest, PoolingParams, SamplingParams
+    from ..text import (
+        ChatMessage,
+        EmbeddingRequestOutput,
+        ModelFiles,
+        PoolingRequestOutput,
+        Prompt,
+        RequestOutput,
+        Tokenizer,
+    )
 
 __all__ = ["SyncLLM", "SyncRequestOutputStream"]
 
@@ -235,6 +243,41 @@ class SyncLLM:
             lora_request=lora_request,
         )
         return self._loop.call(_run_final, context)
+
+    def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        *,
+        pooling_task: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """`LLM.encode`, blocking; Ctrl-C aborts every request still on the engine."""
+        llm = self.llm
+
+        async def run() -> list[PoolingRequestOutput]:
+            return await llm.encode(
+                prompts, pooling_params, pooling_task=pooling_task, lora_request=lora_request
+            )
+
+        return self._loop.call(run)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """`LLM.embed`, blocking: one embedding per prompt, in order."""
+        llm = self.llm
+
+        async def run() -> list[EmbeddingRequestOutput]:
+            return await llm.embed(
+                prompts, pooling_params=pooling_params, lora_request=lora_request
+            )
+
+        return self._loop.call(run)
 
     def chat(
         self,

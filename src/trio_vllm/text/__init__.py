@@ -27,6 +27,13 @@ from ._output import OutputProcessor as OutputProcessor
 from ._output import OutputProcessorOutput as OutputProcessorOutput
 from ._output import ParentRequest as ParentRequest
 from ._output import RequestState as RequestState
+from ._pooling import EmbeddingOutput as EmbeddingOutput
+from ._pooling import EmbeddingRequestOutput as EmbeddingRequestOutput
+from ._pooling import PoolingOutput as PoolingOutput
+from ._pooling import PoolingRequestOutput as PoolingRequestOutput
+from ._pooling import pooling_model_of as pooling_model_of
+from ._pooling import prepare_pooling as prepare_pooling
+from ._pooling import to_pooling_output as to_pooling_output
 from ._tokenize import detokenize as detokenize
 from ._tokenize import token_strs as token_strs
 from ._tokenize import tokenize as tokenize
@@ -50,6 +57,8 @@ __all__ = [
     "OPENAI_SAMPLING_DEFAULTS",
     "ChatMessage",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "FastIncrementalDetokenizer",
     "IncrementalDetokenizer",
     "InputProcessor",
@@ -59,6 +68,8 @@ __all__ = [
     "OutputProcessor",
     "OutputProcessorOutput",
     "ParentRequest",
+    "PoolingOutput",
+    "PoolingRequestOutput",
     "ProcessedRequest",
     "Prompt",
     "PromptLogprobs",
@@ -75,9 +86,12 @@ __all__ = [
     "internal_request_id",
     "load_tokenizer",
     "normalize_messages",
+    "pooling_model_of",
+    "prepare_pooling",
     "random_uuid",
     "render_chat_template",
     "resolve_model_dir",
+    "to_pooling_output",
     "token_strs",
     "tokenize",
     "tokenize_chat",

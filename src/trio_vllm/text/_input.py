@@ -161,11 +161,14 @@ class InputProcessor:
             raise InvalidRequestError(f"{what} needs a tokenizer; this model has none loaded")
         return self.tokenizer
 
-    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(
+        self, prompt: Prompt, *, generate: bool = True
+    ) -> tuple[str | None, list[int]]:
         """``(prompt text or None, prompt token ids)`` for a prompt, validated.
 
         Text is encoded with the tokenizer's special tokens (BOS), as vLLM's completion
-        renderer does; token ids are taken as they are.
+        renderer does; token ids are taken as they are. ``generate=False``: a pooling
+        prompt, which may fill the whole context.
         """
         text: str | None
         given: object = prompt  # callers from JSON may pass anything
@@ -192,7 +195,7 @@ class InputProcessor:
                 f"a prompt must be text, a list of token ids or a prompt dict, "
                 f"not {type(prompt).__name__}"
             )
-        self.validate_prompt_ids(ids, from_text=encoded)
+        self.validate_prompt_ids(ids, from_text=encoded, generate=generate)
         return text, ids
 
     def _encode_prompt_text(self, text: str) -> list[int]:
@@ -224,11 +227,14 @@ class InputProcessor:
         self.validate_prompt_ids(ids)
         return text, ids
 
-    def validate_prompt_ids(self, ids: Sequence[int], *, from_text: bool = False) -> None:
+    def validate_prompt_ids(
+        self, ids: Sequence[int], *, from_text: bool = False, generate: bool = True
+    ) -> None:
         """vLLM's prompt checks: not empty, shorter than ``max_model_len`` (room for one
-        token), every id inside the vocabulary. ``from_text``: the ids are a text prompt's
-        (vLLM tokenizes those to at most ``max_model_len + 1`` tokens, and says so)."""
-        PROMPT.raise_for(PromptInput(ids, len(ids), from_text), self.limits)
+        token; ``generate=False``: at most ``max_model_len``), every id inside the
+        vocabulary. ``from_text``: the ids are a text prompt's (vLLM tokenizes those to
+        at most ``max_model_len + 1`` tokens, and says so)."""
+        PROMPT.raise_for(PromptInput(ids, len(ids), from_text, generate), self.limits)
 
     def _max_token_id(self) -> int | None:
         # vLLM: an id is in vocabulary below max(tokenizer.max_token_id, vocab_size - 1).

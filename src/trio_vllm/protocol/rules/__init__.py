@@ -98,13 +98,14 @@ from ._core import (
     Fail,
     Family,
     Limits,
+    PoolingModel,
     Rule,
     Violation,
 )
 from ._lora import LORA
 from ._model import SAMPLING_LIMITS
 from ._openai import CHAT, COMPLETION, OPENAI, OpenAIFields
-from ._pooling import POOLING
+from ._pooling import POOLING, with_pooling_defaults
 from ._prompt import CONTEXT_SUFFIX, PROMPT, PROMPT_TEXT, PromptInput, PromptText
 from ._request import REQUEST, request_prompt_length
 from ._sampling import DEFAULTED_MAX_TOKENS, SAMPLING
@@ -139,11 +140,13 @@ __all__ = [
     "Family",
     "Limits",
     "OpenAIFields",
+    "PoolingModel",
     "PromptInput",
     "PromptText",
     "Rule",
     "Violation",
     "request_prompt_length",
+    "with_pooling_defaults",
 ]
 
 FAMILIES: Final[tuple[Family[Any], ...]] = (

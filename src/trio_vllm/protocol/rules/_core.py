@@ -45,6 +45,18 @@ SAMPLING_EPS: Final = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
+class PoolingModel:
+    """What vLLM's ``PoolingParams.verify`` reads of the model: its served name, the
+    embedding size (``hidden_size``), and whether it was trained for Matryoshka
+    embeddings (``config.json``'s ``is_matryoshka`` / ``matryoshka_dimensions``)."""
+
+    name: str
+    embedding_size: int
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Limits:
     """What the rules may know about the model and engines (``None``: unknown).
 
@@ -62,6 +74,7 @@ class Limits:
     supported_tasks: frozenset[str] | None = None
     num_clients: int | None = None
     structured_output_backend: str | None = None
+    pooling_model: PoolingModel | None = None
 
     @property
     def prompt_id_bound(self) -> int:
