@@ -38,6 +38,12 @@ FOREIGN_PRIVATE_READS: Final[dict[tuple[str, str], str]] = {
         "skip its dispatch on every buffered receive (version-guarded; module docs)"
         for name in ("_cancel_called", "_shield", "_parent_scope")
     },
+    **{
+        ("trio_vllm.client._cancel", name): "trio's task cancel state, read as trio's own "
+        "checkpoint_if_cancelled reads it, to skip a coroutine per buffered receive "
+        "(version-guarded; module docs)"
+        for name in ("_cancel_status", "_runner", "_cancel_points")
+    },
     ("trio_vllm.client._engines", "_actions"): "argparse lists no parser's actions publicly",
     ("trio_vllm.cli._main", "_actions"): "argparse lists no parser's actions publicly",
     ("trio_vllm.cli._main", "_SubParsersAction"): "argparse's sub-command action class",

@@ -186,3 +186,24 @@ def test_firehose_cases_subset() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "b/a " in proc.stdout
     assert "c  trio-vllm" not in proc.stdout
+
+
+def test_firehose_gc_threshold_is_set_per_case_and_restored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--gc-threshold: each case sets the first threshold after freezing its heap and
+    puts Python's back afterwards (the option must not leak into later cases)."""
+    import gc
+
+    from trio_vllm.bench import _firehose
+    from trio_vllm.bench._profile import Profile
+
+    before = gc.get_threshold()
+    monkeypatch.setattr(_firehose, "_gc_threshold", 12345)
+    _firehose._freeze_heap()
+    try:
+        assert gc.get_threshold() == (12345, *before[1:])
+    finally:
+        _firehose._finish({"messages": 1}, Profile(False))
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+import sniffio
 
 from trio_vllm.client import _cancel
 from trio_vllm.client._mailbox import Mailbox
@@ -115,3 +116,41 @@ async def test_the_state_read_is_used_exactly_for_known_anyio() -> None:
     known = version is not None and low <= version <= high
     uses_public = _cancel.asyncio_check() is anyio.lowlevel.checkpoint_if_cancelled
     assert uses_public is not known
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_unknown_trio_falls_back_to_the_public_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_cancel, "_KNOWN_TRIO", ((0, 0), (0, 0)))
+    monkeypatch.setattr(_cancel, "_trio_probed", None)
+    assert _cancel.backend_pending() is _cancel._always
+    assert _cancel.backend_check() is anyio.lowlevel.checkpoint_if_cancelled
+    assert await _raises(_cancel.backend_check())
+
+
+async def test_the_pending_predicate_counts_a_cancel_point_like_the_public_call() -> None:
+    """On trio the predicate is trio's own not-cancelled path (it counts the cancel
+    point, as trio.testing.assert_checkpoints sees it); on both backends, in a task the
+    backend knows, it answers False outside any cancelled scope and True inside one."""
+    answers: list[bool] = []
+
+    async def body() -> None:
+        pending = _cancel.backend_pending()
+        answers.append(pending())
+        with anyio.CancelScope() as scope:  # noqa: ASYNC100 (the predicate reads it)
+            scope.cancel()
+            answers.append(pending())
+        answers.append(pending())
+        if sniffio.current_async_library() == "trio":
+            import trio
+
+            task = trio.lowlevel.current_task()
+            before = task._cancel_points
+            pending()
+            answers.append(task._cancel_points == before + 1)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(body)
+    assert answers[:3] == [False, True, False]
+    assert all(answers[3:])

@@ -19,6 +19,8 @@ import time
 
 import pytest
 
+from _procs import alive
+
 pytestmark = pytest.mark.timeout(60)
 
 _CLIENT = textwrap.dedent(
@@ -34,15 +36,6 @@ _CLIENT = textwrap.dedent(
     trio.run(main)
     """
 )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_engines_stop_when_their_client_is_killed() -> None:
@@ -62,7 +55,7 @@ def test_engines_stop_when_their_client_is_killed() -> None:
         assert line, f"client did not start: {client.stderr.read() if client.stderr else ''}"
         pids: list[int] = json.loads(line)
         assert len(pids) == 2
-        assert all(_alive(pid) for pid in pids)
+        assert all(alive(pid) for pid in pids)
     finally:
         os.kill(client.pid, signal.SIGKILL)
         client.wait()
@@ -71,9 +64,9 @@ def test_engines_stop_when_their_client_is_killed() -> None:
         if client.stderr is not None:
             client.stderr.close()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
         time.sleep(0.05)
-    left = [pid for pid in pids if _alive(pid)]
+    left = [pid for pid in pids if alive(pid)]
     for pid in left:  # do not leak them into the rest of the run
         os.kill(pid, signal.SIGKILL)
     leftovers = {

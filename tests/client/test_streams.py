@@ -16,6 +16,7 @@ from trio_vllm.client._streams import RequestStream, coalesce_outputs
 from trio_vllm.protocol.structs import (
     EngineCoreEvent,
     EngineCoreOutput,
+    FinishReason,
     LogprobsLists,
     SamplingParams,
 )
@@ -99,6 +100,27 @@ async def test_cancelled_receive_consumes_nothing_between_yields() -> None:
         await stream.receive()
     assert scope.cancelled_caught
     assert (await stream.receive()).new_token_ids == [8]
+
+
+async def test_buffered_iteration_ends_at_the_final_output_with_merges_finished() -> None:
+    """The buffered fast path of ``__anext__`` (inside the no-yield window) hands out
+    the outputs in order, finishes a pending merge on the last one, and stops after the
+    final output with ``finish_reason`` set, as the general path does."""
+    stream = RequestStream("r", 0, max_pending=2)
+    stream.deliver(_out([1]))
+    assert (await stream.receive()).new_token_ids == [1]  # binds the check, opens the window
+    stream._yield_due = time.monotonic() + 60
+    stream.deliver(_out([2], new_logprobs=_lp([2])))
+    stream.deliver(_out([3], new_logprobs=_lp([3])))
+    stream.deliver(_out([4], new_logprobs=_lp([4])))  # merged into [3]: rows pending
+    stream.deliver(_out([5], finish=int(FinishReason.LENGTH)))  # merged too, final
+    seen = [(o.new_token_ids, o.new_logprobs) async for o in stream]
+    assert [ids for ids, _ in seen] == [[2], [3, 4, 5]]
+    merged = seen[1][1]
+    assert merged is not None
+    assert merged.logprob_token_ids[:, 0].tolist() == [3, 4]
+    assert stream.finish_reason == FinishReason.LENGTH
+    assert stream.coalesced == 2
 
 
 async def test_draining_a_backlog_yields_to_other_tasks() -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from _procs import alive, descendants
 from trio_vllm.client import VllmEngines, make_request, open_client
 
 from .conftest import child_pids
@@ -29,33 +30,6 @@ FAKE_VLLM = str(Path(__file__).with_name("fake_vllm"))
 ENV = {"PYTHONPATH": os.pathsep.join(p for p in (FAKE_VLLM, os.environ.get("PYTHONPATH")) if p)}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    try:
-        return not stat.read_text().split(") ")[1].startswith("Z")
-    except OSError:
-        return False
-
-
-def _descendants(pid: int) -> list[int]:
-    found: list[int] = []
-    stack = [pid]
-    while stack:
-        current = stack.pop()
-        for task in Path(f"/proc/{current}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found.extend(children)
-            stack.extend(children)
-    return found
-
-
 async def test_vllm_engines_with_a_stand_in_vllm() -> None:
     source = VllmEngines("some-model", python=sys.executable, env=ENV, count=2)
     async with open_client(source, ready_timeout=30) as client:
@@ -63,14 +37,14 @@ async def test_vllm_engines_with_a_stand_in_vllm() -> None:
         launcher = client.engine_pids[0]
         assert client.engine_pids == {0: launcher, 1: launcher}  # one launcher, two ranks
         assert client.addresses["handshake"].startswith("tcp://127.0.0.1:")
-        engines = _descendants(launcher)
+        engines = descendants(launcher)
         assert len(engines) == 2
         async with client.generate(make_request([7, 8], max_tokens=4)) as stream:
             assert await stream.collect() == [7, 8, 7, 8]
         assert await client.call_utility_all("get_supported_tasks")
     # The launcher and the engines it started are gone (SIGTERM, then the group).
     with anyio.fail_after(30):
-        while any(_alive(pid) for pid in (launcher, *engines)):  # noqa: ASYNC110
+        while any(alive(pid) for pid in (launcher, *engines)):  # noqa: ASYNC110
             await anyio.sleep(0.05)
     assert launcher not in child_pids()
 
@@ -104,13 +78,13 @@ async def test_entry_point_stops_when_its_parent_dies() -> None:
         with anyio.fail_after(30):
             while not engines:
                 await anyio.sleep(0.05)
-                engines = _descendants(launcher)
-        assert _alive(launcher)
+                engines = descendants(launcher)
+        assert alive(launcher)
     finally:
         _kill(shell)  # the client dies without stopping its engines
     start = time.monotonic()
     with anyio.fail_after(30):
-        while any(_alive(pid) for pid in (launcher, *engines)):  # noqa: ASYNC110
+        while any(alive(pid) for pid in (launcher, *engines)):  # noqa: ASYNC110
             await anyio.sleep(0.05)
     print(f"orphaned launcher stopped itself after {time.monotonic() - start:.2f} s")
 
@@ -133,7 +107,7 @@ async def test_stop_leaves_no_shared_memory_of_killed_engine_cores() -> None:
                 assert await stream.collect() == [7, 8]
             start = time.monotonic()
         elapsed = time.monotonic() - start
-        assert not _alive(launcher)
+        assert not alive(launcher)
         assert not path.exists(), "the killed engine core's segment was left behind"
         # The launcher exited after the cleanup, not at the end of the 60 s grace.
         assert elapsed < 30, elapsed

@@ -100,6 +100,52 @@ def test_raw_outputs_are_queued_without_the_streams_outputs() -> None:
     assert session.in_flight(0) == 1
 
 
+def test_receive_whole_takes_exactly_the_plain_raw_messages() -> None:
+    """The raw fast path says yes only where receive would return one QueueRaw of the
+    whole message, does the same bookkeeping, and changes nothing when it says no."""
+    session = ClientSession([0, 1], waves=True)
+    started(session, "r1", rank=0)
+    started(session, "r2", rank=0)
+    stats = SchedulerStats(num_running_reqs=2, num_waiting_reqs=5)
+    plain = batch(0, out("r1", 1), out("r2", 2), scheduler_stats=stats)
+    assert session.receive_whole(plain)
+    assert session.heard(0) == 1  # counted as receive counts it
+    refused = [
+        batch(0, out("r1", 1, final=True)),  # a finish: the request leaves the registry
+        batch(0, out("r1", 1), out("gone", 2)),  # a late output of another request
+        batch(0),  # nothing for get_output (stats-only batches depend on raw interest)
+        reply(0, 7),  # a utility reply
+        batch(0, out("r1", 1), wave_complete=3),  # wave fields
+        batch(5, out("r1", 1)),  # an engine this client never knew: receive raises
+    ]
+    for outputs in refused:
+        assert not session.receive_whole(outputs)
+    assert session.heard(0) == 1  # the refusals changed nothing
+    assert session.live_requests == ["r1", "r2"]
+    # With a stream registered, the raw fast path is off; receive routes as before.
+    started(session, "s", object(), rank=0)
+    assert not session.receive_whole(batch(0, out("r1", 1)))
+    assert kinds(session.receive(batch(0, out("r1", 1)))) == ["QueueRaw"]
+    # receive's answer for a plain message is the fast path's, as one action.
+    session.end_request("s")
+    actions = session.receive(plain)
+    assert kinds(actions) == ["QueueRaw"]
+    queued = actions[0]
+    assert isinstance(queued, s.QueueRaw)
+    assert queued.outputs is plain
+    assert session.heard(0) == 3
+
+
+def test_receive_whole_refuses_after_death_and_for_a_lost_rank() -> None:
+    session = ClientSession([0, 1], on_engine_death="continue")
+    started(session, "r", rank=1)
+    session.rank_died(1, "gone", None)
+    assert not session.receive_whole(batch(1, out("r", 1)))
+    assert session.receive(batch(1, out("r", 1))) == []  # a lost rank's late words
+    session.close()
+    assert not session.receive_whole(batch(0, out("r", 1)))
+
+
 def test_late_outputs_after_an_abort_are_dropped() -> None:
     session = ClientSession([0, 1])
     stream = object()

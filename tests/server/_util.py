@@ -1,19 +1,24 @@
-"""Helpers for the server tests: serve an app on a free port, raw HTTP, SSE parsing."""
+"""Helpers for the server tests: serve an app on a free port, a ``trio-vllm serve``
+process, raw HTTP, SSE parsing."""
 
 from __future__ import annotations
 
 import json
+import re
+import signal
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
 from trio_vllm.server import OpenAIServer, serve_app
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable, Sequence
+
+    from anyio.abc import Process
 
     from trio_vllm.server import TextFrontend
 
@@ -127,3 +132,71 @@ async def wait_until(predicate: Any, timeout: float = 10.0) -> None:  # noqa: AS
     with anyio.fail_after(timeout):
         while not predicate():  # noqa: ASYNC110
             await anyio.sleep(0.01)
+
+
+SERVING = re.compile(rb"serving \S+ on http://127\.0\.0\.1:(\d+)")
+
+
+class ServeProcess:
+    """A ``trio-vllm serve`` process: its port once it listens, and its stderr so far
+    (read for as long as `serve_process` runs)."""
+
+    def __init__(self, process: Process) -> None:
+        self.process = process
+        self.port = 0
+        self.stderr = b""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+S = TypeVar("S", bound=ServeProcess)
+
+
+@asynccontextmanager
+async def serve_process(
+    command: Sequence[str],
+    make: Callable[[Process], S],
+    *,
+    env: dict[str, str] | None = None,
+    servers: int = 1,
+    ready_timeout: float = 60,
+    stop_timeout: float = 30,
+) -> AsyncIterator[S]:
+    """Run ``command`` (a ``trio-vllm serve --port 0 ...``) until ``servers`` servers
+    logged ``serving NAME on http://127.0.0.1:PORT`` (the first one's port is
+    ``.port``; `AssertionError` with the stderr after ``ready_timeout`` s), then yield
+    ``make(process)``. At the end, cancelled or not: SIGTERM if still running (the way
+    it removes what it made), SIGKILL only if it has not exited ``stop_timeout`` s
+    later, and reaped."""
+    process = await anyio.open_process(command, env=env, stdin=None, stdout=None)
+    served = make(process)
+    try:
+        async with anyio.create_task_group() as tg:
+            ready = anyio.Event()
+
+            async def read_stderr() -> None:
+                assert process.stderr is not None
+                async for chunk in process.stderr:
+                    served.stderr += chunk
+                    found = SERVING.findall(served.stderr)
+                    if len(found) >= servers and not ready.is_set():
+                        served.port = int(found[0])
+                        ready.set()
+
+            tg.start_soon(read_stderr)
+            with anyio.move_on_after(ready_timeout):
+                await ready.wait()
+            assert ready.is_set(), served.stderr.decode(errors="replace")
+            yield served
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+                with anyio.move_on_after(stop_timeout):
+                    await process.wait()
+            if process.returncode is None:
+                process.kill()
+            await process.wait()

@@ -23,15 +23,15 @@ import httpx
 import pytest
 import zmq
 
+from _procs import alive, descendants, wait_gone
 from trio_vllm.testing import EngineControl
 from trio_vllm.transport import PrivateIpcDir
 
-from ._util import sse_events
+from ._util import ServeProcess, serve_process, sse_events
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-    from anyio.abc import Process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -43,49 +43,14 @@ def anyio_backend() -> str:
     return "trio"
 
 
-_SERVING = re.compile(rb"serving \S+ on http://127\.0\.0\.1:(\d+)")
 _HEADER = "x-trio-vllm-server"
 
 
-class _Group:
-    def __init__(self, process: Process, control: EngineControl | None) -> None:
-        self.process = process
-        self.port = 0
-        self.stderr = b""
-        self.control = control
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+class _Group(ServeProcess):
+    control: EngineControl | None = None
 
     def descendants(self) -> list[int]:
-        found: list[int] = []
-        todo = [self.process.pid]
-        while todo:
-            pid = todo.pop()
-            try:
-                for task in os.listdir(f"/proc/{pid}/task"):
-                    with open(f"/proc/{pid}/task/{task}/children") as f:
-                        children = [int(p) for p in f.read().split()]
-                    found += children
-                    todo += children
-            except FileNotFoundError:
-                continue
-        return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-async def _wait_gone(pid: int, seconds: float) -> None:
-    with anyio.fail_after(seconds):
-        while _alive(pid):  # noqa: ASYNC110 (another process; nothing to wait on)
-            await anyio.sleep(0.05)
+        return descendants(self.process.pid)
 
 
 def _metrics_dirs() -> set[str]:
@@ -103,26 +68,11 @@ async def api_servers(*args: str) -> AsyncIterator[_Group]:
         "--api-server-count", "2",
         f"--engine-args=--control-address {address} --step-interval-ms 20", *args,
     ]  # fmt: skip
-    process = await anyio.open_process(command, stdin=None, stdout=None)
-    group = _Group(process, None)
     everything: list[int] = []
     try:
-        async with anyio.create_task_group() as tg:
-            ready = anyio.Event()
-
-            async def read_stderr() -> None:
-                assert process.stderr is not None
-                async for chunk in process.stderr:
-                    group.stderr += chunk
-                    found = _SERVING.findall(group.stderr)
-                    if len(found) >= 2 and not ready.is_set():
-                        group.port = int(found[0])
-                        ready.set()
-
-            tg.start_soon(read_stderr)
-            with anyio.move_on_after(90):
-                await ready.wait()
-            assert ready.is_set(), group.stderr.decode(errors="replace")
+        async with serve_process(
+            command, _Group, servers=2, ready_timeout=90, stop_timeout=60
+        ) as group:
             everything = group.descendants()
             assert len(everything) == 3  # the engine and two servers
             engine = next(p for p in everything if "reference_engine" in _cmdline(p))
@@ -130,18 +80,10 @@ async def api_servers(*args: str) -> AsyncIterator[_Group]:
                 rank=0, address=address, pid=engine, context=zmq.Context.instance()
             )
             yield group
-            tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-                with anyio.move_on_after(60):
-                    await process.wait()
-            if process.returncode is None:
-                process.kill()
-            await process.wait()
             for pid in everything:
-                await _wait_gone(pid, 30)
+                await wait_gone(pid, 30)
             controls.cleanup()
 
 
@@ -152,7 +94,7 @@ async def _resumed(group: _Group) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        if group.control is not None and _alive(group.control.pid):
+        if group.control is not None and alive(group.control.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(group.control.pid, signal.SIGCONT)
 

@@ -75,8 +75,11 @@ def _outcome(kind: str, body: bytes, content_type: bytes | None = _JSON) -> int:
             pooling_params(ereq)
         else:
             req, extra = decode_request(kind, content_type, body)  # type: ignore[arg-type]
-            plan = plan_completion if isinstance(req, CompletionRequest) else plan_chat
-            plan(req, _FRONTEND, model="m", header_request_id=None, extra=extra)  # type: ignore[arg-type]
+            if isinstance(req, CompletionRequest):
+                plan_completion(req, _FRONTEND, model="m", header_request_id=None, extra=extra)  # type: ignore[arg-type]
+            else:  # with --trust-request-chat-template: the request's templates run
+                plan_chat(req, _FRONTEND, model="m", header_request_id=None, extra=extra,  # type: ignore[arg-type]
+                          trust_request_chat_template=True)  # fmt: skip
     except HTTPError as exc:  # anything else fails the test
         refusal = exc
     if refusal is None:
@@ -146,7 +149,7 @@ _VALUES = st.recursive(
 _NAMES = {
     "completion": sorted({*CompletionRequest.__struct_fields__, *UNSUPPORTED_FIELDS}),
     "chat": sorted({*ChatCompletionRequest.__struct_fields__, *UNSUPPORTED_FIELDS}),
-    "embedding": sorted(EmbeddingRequest.__struct_fields__),
+    "embedding": sorted({*EmbeddingRequest.__struct_fields__, "normalize", "task"}),
 }
 
 
@@ -257,7 +260,9 @@ async def test_nasty_bodies_through_the_server(
     # (the embeddings ones go through a pooling server in test_embeddings.py)
     cases = [*((k, b) for k, b in NASTY if k in paths), ("completion", deep)]
     with caplog.at_level(logging.INFO):
-        async with serving(frontend, max_body_bytes=200_000) as served:
+        async with serving(
+            frontend, max_body_bytes=200_000, trust_request_chat_template=True
+        ) as served:
             for kind, body in cases:
                 status, _, data = await _post(served, paths[kind], body)
                 assert status == 400, (body[:60], data[:200])

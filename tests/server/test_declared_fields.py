@@ -180,6 +180,8 @@ _SAMPLES: dict[str, dict[str, tuple[dict[str, Any], object]]] = {
         "chat_template_kwargs": ({}, {"x": 1}),
         "tools": ({}, [_TOOL]),
         "tool_choice": ({"tools": [_TOOL]}, "none"),
+        # a single call: the tools' grammar stops after one (and one call is kept)
+        "parallel_tool_calls": ({"tools": [_TOOL], "tool_choice": "required"}, False),
     },
     "embedding": {
         "input": ({}, ["other", "two"]),
@@ -288,6 +290,7 @@ def _plan(kind: str, body: dict[str, Any]) -> Any:
         header_request_id="fixed",
         extra=extra,
         tool_options=app.tool_options,
+        trust_request_chat_template=True,  # as --trust-request-chat-template
     )
 
 

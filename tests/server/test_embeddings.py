@@ -115,6 +115,17 @@ async def test_embeddings_endpoint() -> None:
             assert (status, body["id"]) == (200, "embd-b2")
             status, body = await post(port, {"input": "x", "priority": 3})
             assert (status, body["error"]["param"]) == (400, "priority")
+            # vLLM's removed parameters, refused before any field is read
+            status, body = await post(port, {"input": 5, "normalize": True})
+            assert (status, body["error"]["param"]) == (400, "normalize")
+            assert body["error"]["message"] == (
+                "Parameter `normalize` was removed; use `use_activation` instead. "
+                "(parameter=normalize)"
+            )
+            status, body = await post(port, {"input": "x", "task": "encode"})
+            assert (status, body["error"]["param"]) == (400, "task")
+            status, body = await post(port, {"input": "x", "task": "embed"})  # ignored
+            assert status == 200
             # A pooling engine offers no generation routes (vllm serve's choice).
             status, body = await post(port, {"prompt": "x"}, "/v1/completions")
             assert (status, body) == (404, {"detail": "Not Found"})

@@ -18,15 +18,15 @@ import anyio
 import httpx
 import pytest
 
+from _procs import alive, wait_gone
 from trio_vllm.reference_engine import MODEL_DIR
 
-from ._util import raw_request, sse_events
+from ._util import SERVING, ServeProcess, raw_request, serve_process, sse_events
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
     from pathlib import Path
 
-    from anyio.abc import Process
 
 pytestmark = pytest.mark.anyio
 
@@ -37,19 +37,7 @@ def anyio_backend() -> str:
     return "trio"
 
 
-_SERVING = re.compile(rb"serving \S+ on http://127\.0\.0\.1:(\d+)")
-
-
-class _Server:
-    def __init__(self, process: Process) -> None:
-        self.process = process
-        self.port = 0
-        self.stderr = b""
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
+class _Server(ServeProcess):
     def engine_pids(self) -> list[int]:
         # Children are listed per thread (engines may be spawned from a worker thread).
         pids: list[int] = []
@@ -59,62 +47,21 @@ class _Server:
         return pids
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-async def _wait_gone(pid: int, seconds: float) -> None:
-    with anyio.fail_after(seconds):
-        while _alive(pid):  # noqa: ASYNC110 (another process; nothing to wait on)
-            await anyio.sleep(0.05)
-
-
 @asynccontextmanager
 async def cli_server(*args: str, env: dict[str, str] | None = None) -> AsyncIterator[_Server]:
     """``trio-vllm serve --port 0 ARGS``, up and listening; stopped at the end if still
     running (SIGTERM, the way it removes what it made, ipc directory included; SIGKILL
     only if it has not exited 30 s later), and its engines checked gone."""
     command = [sys.executable, "-m", "trio_vllm.cli", "serve", "--port", "0", *args]
-    process = await anyio.open_process(
-        command, env={**os.environ, **(env or {})}, stdin=None, stdout=None
-    )
-    server = _Server(process)
     engines: list[int] = []
     try:
-        async with anyio.create_task_group() as tg:
-            ready = anyio.Event()
-
-            async def read_stderr() -> None:
-                assert process.stderr is not None
-                async for chunk in process.stderr:
-                    server.stderr += chunk
-                    found = _SERVING.search(server.stderr)
-                    if found and not ready.is_set():
-                        server.port = int(found.group(1))
-                        ready.set()
-
-            tg.start_soon(read_stderr)
-            with anyio.move_on_after(60):
-                await ready.wait()
-            assert ready.is_set(), server.stderr.decode(errors="replace")
+        async with serve_process(command, _Server, env={**os.environ, **(env or {})}) as server:
             engines = server.engine_pids()
             yield server
-            tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-                with anyio.move_on_after(30):
-                    await process.wait()
-            if process.returncode is None:
-                process.kill()
-            await process.wait()
             for pid in engines:
-                await _wait_gone(pid, 30)
+                await wait_gone(pid, 30)
 
 
 async def _stream(base_url: str, body: dict[str, object], first: anyio.Event) -> list[object]:
@@ -140,7 +87,7 @@ async def test_the_startup_heap_is_frozen_before_serving(anyio_backend: str) -> 
         frozen = re.search(rb"startup heap frozen: (\d+) objects", server.stderr)
         assert frozen is not None, server.stderr.decode(errors="replace")
         assert int(frozen.group(1)) > 10_000  # imports, tokenizer, hypercorn: a real heap
-        assert server.stderr.index(frozen.group(0)) < _SERVING.search(server.stderr).start()
+        assert server.stderr.index(frozen.group(0)) < SERVING.search(server.stderr).start()
 
 
 async def test_sigterm_drains_running_requests_then_exits_0(anyio_backend: str) -> None:
@@ -177,7 +124,7 @@ async def test_sigterm_drains_running_requests_then_exits_0(anyio_backend: str) 
         assert events[-2]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
         with anyio.fail_after(30):
             assert await server.process.wait() == 0
-        await _wait_gone(engine, 30)
+        await wait_gone(engine, 30)
         assert b"SIGTERM" in server.stderr
 
 
@@ -268,10 +215,10 @@ async def test_killed_server_leaves_no_engine(anyio_backend: str) -> None:
     try:
         async with cli_server(env={"TMPDIR": own_tmp}) as server:
             (engine,) = server.engine_pids()
-            assert _alive(engine)
+            assert alive(engine)
             server.process.kill()
             await server.process.wait()
-            await _wait_gone(engine, 30)  # the engine's --parent-pid watch
+            await wait_gone(engine, 30)  # the engine's --parent-pid watch
         (left,) = os.listdir(own_tmp)
         assert left.startswith("trio-vllm-")
         assert {"handshake", "input", "output"} <= set(os.listdir(os.path.join(own_tmp, left)))

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from trio_vllm.server import ToolOptions
+from trio_vllm.server import OpenAIServer, ToolOptions
 from trio_vllm.server._http import HTTPError
 from trio_vllm.server._openai import ChatResponder, plan_chat
 from trio_vllm.server._schemas import ChatCompletionRequest
@@ -62,11 +62,127 @@ def test_tool_requests_are_checked_as_vllm(
     assert message in str(_error(options, **fields))
 
 
-def test_required_and_named_are_refused_until_structured_outputs() -> None:
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        assert "not supported by trio-vllm serve yet" in str(
-            _error(HERMES, tools=[TOOL], tool_choice=choice)
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+PYTHONIC = ToolOptions(enable_auto_tool_choice=True, tool_call_parser="pythonic")
+
+
+def test_required_and_named_send_the_tools_grammar() -> None:
+    """The plan carries the constraint (test_tool_choice.py checks its every byte
+    against vLLM's), over any response_format of the request."""
+    for choice in ("required", NAMED):
+        (params,) = _plan(
+            HERMES, tools=[TOOL], tool_choice=choice, response_format={"type": "json_object"}
+        ).params
+        so = params.structured_outputs
+        assert so is not None
+        assert so.json_object is None
+        assert json.loads(so.structural_tag or "")["format"]["type"] == "tags_with_separator"
+    (params,) = _plan(PYTHONIC, tools=[TOOL], tool_choice=NAMED).params
+    assert params.structured_outputs is not None
+    assert params.structured_outputs.json == {"type": "object", "properties": {}}
+    # auto and none leave the request's own constraint alone
+    for choice in ("auto", "none"):
+        (params,) = _plan(
+            HERMES, tools=[TOOL], tool_choice=choice, response_format={"type": "json_object"}
+        ).params
+        assert params.structured_outputs is not None
+        assert params.structured_outputs.json_object is True
+    assert "not supported by trio-vllm" in str(
+        _error(
+            HERMES,
+            tools=[TOOL],
+            parallel_tool_calls=False,
+            response_format={"type": "json_object"},
         )
+    )
+
+
+def _full(plan: Any, texts: list[str], finish: str = "stop") -> dict[str, Any]:
+    responder = ChatResponder(plan, _Frontend.tokenizer, None)
+    for out in _outputs(texts, finish):
+        responder.on_output(0, out)
+    (choice,) = json.loads(responder.finish())["choices"]
+    return choice  # type: ignore[no-any-return]
+
+
+def test_required_and_named_responses_in_vllms_shapes() -> None:
+    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    # required: the calls, content "" (not null), finish reason tool_calls on a stop
+    choice = _full(_plan(HERMES, tools=[TOOL], tool_choice="required"), [CALL])
+    assert choice["message"]["content"] == ""
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [call]
+    assert choice["finish_reason"] == "tool_calls"
+    # cut short: hermes reads no call, the text stays content (vLLM's)
+    choice = _full(_plan(HERMES, tools=[TOOL], tool_choice="required"), [CALL[:20]], "length")
+    assert choice["message"]["content"] == CALL[:20]
+    assert "tool_calls" not in choice["message"]  # vLLM drops an empty list
+    choice = _full(_plan(HERMES, tools=[TOOL], tool_choice="required"), [" "], "length")
+    assert choice["message"]["content"] == ""
+    assert choice["finish_reason"] == "length"
+    # named: the engine's finish reason
+    choice = _full(_plan(HERMES, tools=[TOOL], tool_choice=NAMED), [CALL])
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [call]
+    assert choice["finish_reason"] == "stop"
+    # pythonic reads the schema's shapes: a named tool's arguments, a required array
+    choice = _full(_plan(PYTHONIC, tools=[TOOL], tool_choice=NAMED), ['{"city": "Paris"}'])
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [call]
+    one = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    two = f"[{one}, {one}]"
+    choice = _full(_plan(PYTHONIC, tools=[TOOL], tool_choice="required"), [two])
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [call, call]
+    # parallel_tool_calls false keeps the first call only
+    plan = _plan(PYTHONIC, tools=[TOOL], tool_choice="required", parallel_tool_calls=False)
+    assert [c["function"] for c in _full(plan, [two])["message"]["tool_calls"]] == [call]
+
+
+def _streamed(plan: Any, texts: list[str]) -> list[dict[str, Any]]:
+    responder = ChatResponder(plan, _Frontend.tokenizer, None)
+    body = b"".join(responder.on_output(0, o) for o in _outputs(texts)) + responder.finish()
+    return [e["choices"][0] for e in _events(body)]
+
+
+def test_required_and_named_streamed() -> None:
+    choices = _streamed(
+        _plan(PYTHONIC, stream=True, tools=[TOOL], tool_choice=NAMED), ['{"city"', ': "Paris"}']
+    )
+    first, second = (c["delta"]["tool_calls"] for c in choices[1:3])
+    assert first[0]["function"] == {"name": "get_weather", "arguments": '{"city"'}
+    assert first[0]["id"].startswith("chatcmpl-tool-")
+    assert second == [{"index": 0, "function": {"arguments": ': "Paris"}'}}]
+    assert choices[-1]["finish_reason"] == "stop"  # named: not tool_calls
+    texts = ['[{"name": "get_weather", "parameters": ', '{"city": "Paris"}}, ', '{"name": "get_',
+             'weather", "parameters": {}}]']  # fmt: skip
+    choices = _streamed(_plan(PYTHONIC, stream=True, tools=[TOOL], tool_choice="required"), texts)
+    calls = [c for ch in choices for c in ch["delta"].get("tool_calls", [])]
+    assert [c["index"] for c in calls] == [0, 1]  # each announced once its value began
+    assert "".join(c["function"]["arguments"] for c in calls if c["index"] == 0) == (
+        '{"city": "Paris"}'
+    )
+    assert choices[-1]["finish_reason"] == "tool_calls"
+    plan = _plan(
+        PYTHONIC, stream=True, tools=[TOOL], tool_choice="required", parallel_tool_calls=False
+    )
+    calls = [c for ch in _streamed(plan, texts) for c in ch["delta"].get("tool_calls", [])]
+    assert {c["index"] for c in calls} == {0}
+
+
+def test_validator_errors_name_their_parameter_as_vllm_prints_them() -> None:
+    """vLLM's request model raises VLLMValidationError(parameter=...): its str() ends
+    with " (parameter=...)", and the 400's param is that parameter."""
+    for fields, param in (
+        ({"tools": []}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice.function"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+         "tool_choice"),
+    ):  # fmt: skip
+        error = _error(HERMES, **fields)
+        assert error.message.endswith(f" (parameter={param})"), error.message
+        assert error.param == param
+    # the renderer's checks name none
+    error = _error(ToolOptions(), tools=[TOOL])
+    assert "(parameter=" not in error.message
+    assert error.param is None
 
 
 def test_flags_are_checked_as_vllm_serve_does() -> None:
@@ -126,7 +242,7 @@ def test_a_tool_call_in_the_full_response() -> None:
     (choice,) = json.loads(responder.finish())["choices"]
     assert choice["finish_reason"] == "stop"
     assert choice["message"]["content"] == "Let me check." + CALL
-    assert choice["message"]["tool_calls"] == []
+    assert "tool_calls" not in choice["message"]  # vLLM drops an empty list
 
 
 def test_streamed_tool_call_deltas_in_vllms_shapes() -> None:
@@ -138,6 +254,8 @@ def test_streamed_tool_call_deltas_in_vllms_shapes() -> None:
     assert deltas[0] == {"role": "assistant", "content": ""}
     assert deltas[1] == {"content": "Let me check."}
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    # hermes sets content (None while in a call): vLLM's exclude_unset sends the null
+    assert all(d["content"] is None for d in deltas if "tool_calls" in d)
     assert calls[0]["type"] == "function"
     assert calls[0]["function"] == {"name": "get_weather"}
     assert calls[0]["index"] == 0
@@ -216,3 +334,49 @@ def test_a_tool_parser_without_auto_tool_choice_is_inactive_as_in_vllm() -> None
     plan = _plan(options, tools=[TOOL], tool_choice="none")
     assert plan.parsers is None
     assert plan.params[0].skip_special_tokens
+
+
+# vllm serve's startup errors on tiny-llama's tokenizer, as vLLM 0.32's
+# ParserManager.get_parser(..., tokenizer=...) words them (run in vLLM's python).
+_VLLM_STARTUP = {
+    ("mistral", None): "--tool-call-parser mistral cannot be used with the tokenizer of '/m': "
+    "Mistral parser could not locate the tool call token in the tokenizer!",
+    ("llama3_json", None): "--tool-call-parser llama3_json cannot be used with the tokenizer "
+    "of '/m': Llama3JsonToolParser could not locate the bot token '<|python_tag|>' in the "
+    "tokenizer.",
+    (None, "deepseek_r1"): "--reasoning-parser deepseek_r1 cannot be used with the tokenizer "
+    "of '/m': DeepSeekR1ReasoningParser reasoning parser could not locate think start/end "
+    "tokens in the tokenizer!",
+    ("llama3_json", "deepseek_r1"): "--tool-call-parser llama3_json and --reasoning-parser "
+    "deepseek_r1 cannot be used with the tokenizer of '/m': DeepSeekR1ReasoningParser "
+    "reasoning parser could not locate think start/end tokens in the tokenizer!",
+}
+
+
+@pytest.mark.parametrize(("tool", "reasoning"), sorted(_VLLM_STARTUP, key=str))
+def test_a_parser_the_tokenizer_cannot_serve_stops_startup_as_vllm(
+    tool: str | None, reasoning: str | None
+) -> None:
+    options = ToolOptions(
+        enable_auto_tool_choice=tool is not None, tool_call_parser=tool, reasoning_parser=reasoning
+    )
+    with pytest.raises(ValueError, match="cannot be used with the tokenizer") as info:
+        options.check_tokenizer(_Frontend.tokenizer, "/m")
+    assert str(info.value) == _VLLM_STARTUP[tool, reasoning]
+    with pytest.raises(ValueError, match="cannot be used with the tokenizer"):
+        OpenAIServer(_Frontend(), tool_options=options)  # type: ignore[arg-type]
+
+
+def test_mistral_is_known_but_not_ported() -> None:
+    """A tokenizer with Mistral's [TOOL_CALLS] token: vLLM would run its mistral parser;
+    trio-vllm has not ported it and refuses to start, saying so. Without
+    --enable-auto-tool-choice vLLM builds no tool parser, and neither do we."""
+
+    class _MistralTokenizer(_ThinkTokenizer):
+        ids: ClassVar[dict[str, int]] = {"[TOOL_CALLS]": 5}
+
+    options = ToolOptions(enable_auto_tool_choice=True, tool_call_parser="mistral")
+    with pytest.raises(ValueError, match=r"mistral is not supported by trio-vllm: vLLM 0\.32"):
+        options.check_tokenizer(_MistralTokenizer(), "/m")
+    ToolOptions(tool_call_parser="mistral").check_tokenizer(_Frontend.tokenizer, "/m")
+    HERMES.check_tokenizer(_Frontend.tokenizer, "/m")  # hermes needs no marker token

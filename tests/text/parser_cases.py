@@ -191,14 +191,19 @@ REASONING_CASES: list[tuple[str, str, list[str]]] = [
 
 
 def _plain(value: Any) -> Any:
-    """A parser result as JSON data: ``None`` fields and empty ``tool_calls`` dropped,
-    each tool-call id replaced by ``"<id>"`` once checked to be vLLM-shaped."""
+    """A parser result as JSON data: empty ``tool_calls`` dropped (vLLM's serializer
+    drops them), each tool-call id replaced by ``"<id>"`` once checked to be
+    vLLM-shaped. ``None`` values stay: in a streamed delta they are the fields a parser
+    set to ``null`` (the ``to_data`` of each side leaves out the unset ones)."""
     if isinstance(value, dict):
         out = {}
         for key, item in value.items():
-            if item is None or (key == "tool_calls" and item == []):
+            if key == "tool_calls" and item == []:
                 continue
             if key == "id" and isinstance(item, str):
+                if item is None:
+                    out[key] = None
+                    continue
                 if not item.startswith("chatcmpl-tool-"):
                     raise AssertionError(f"tool call id {item!r}")
                 item = "<id>"
@@ -264,6 +269,10 @@ def drive_reasoning_parser(make: Any, to_data: Any, deltas: list[str]) -> dict[s
 
 # The server's per-choice chain (vLLM's DelegatingParser; ours ChatOutputParser):
 # (reasoning parser or "", tool parser or "", tool_choice, case name, deltas).
+_REQUIRED = (
+    '[{"name": "get_weather", "parameters": {"city": "Paris", "n": [1, {"a": "]"}]}}, '
+    '{"name": "get_weather", "parameters": {"city": "Ro\\"me"}}]'
+)
 _CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CHAIN_CASES: list[tuple[str, str, str, str, list[str]]] = [
     ("", "hermes", "auto", "call-after-text", ["Let me ", "check.", *chars(_CALL, 9)]),
@@ -279,8 +288,33 @@ CHAIN_CASES: list[tuple[str, str, str, str, list[str]]] = [
     ("qwen3", "", "auto", "qwen3-end-and-text-in-one-delta", ["<think>x</think>\n\nok", " done"]),
     ("qwen3", "", "auto", "qwen3-never-ends", ["<think>", "a </th"]),
     ("qwen3", "hermes", "none", "qwen3-tools-none", ["r", "</think>", "t", *chars(_CALL, 13)]),
+    # tool_choice required / named: hermes is constrained by a structural tag and reads
+    # its output as auto does; pythonic by a JSON schema, read as that schema's shape.
+    ("", "hermes", "required", "required-call", chars(_CALL, 7)),
+    ("", "hermes", "required", "required-nothing", [" ", "\n"]),
+    ("", "hermes", "named:get_weather", "named-call", chars(_CALL, 12)),
+    ("", "pythonic", "required", "required-two", chars(_REQUIRED, 5)),
+    ("", "pythonic", "required", "required-one-delta", [_REQUIRED]),
+    ("", "pythonic", "required", "required-not-an-array", chars('{"name": "x"}', 4)),
+    ("", "pythonic", "required", "required-bad-parameters",
+     ['[{"name": "get_weather", ', '"parameters": 3}]']),
+    ("", "pythonic", "named:get_weather", "named-args", chars('{"city": "Paris"}', 4)),
+    ("", "pythonic", "named:get_weather", "named-blank", [" "]),
+    ("deepseek_r1", "pythonic", "required", "think-then-required",
+     ["<think>", "hm", "</think>", *chars(_REQUIRED, 9)]),
+    ("deepseek_r1", "pythonic", "named:get_weather", "think-then-named",
+     ["<think>", "hm", "</think>", '{"city"', ': "Oslo"}']),
 ]  # fmt: skip
 CHAIN_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+
+
+def chain_choice(choice: str) -> str | dict[str, Any]:
+    """A case's ``tool_choice``: ``named:NAME`` is the named-tool object."""
+    if choice.startswith("named:"):
+        return {"type": "function", "function": {"name": choice.removeprefix("named:")}}
+    return choice
+
+
 CHAIN_PROMPT_IDS = [151644, 872, 198, 151645]  # <|im_start|>user\n<|im_end|>: no reasoning end
 
 

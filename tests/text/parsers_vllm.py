@@ -41,7 +41,13 @@ def main() -> None:
     }
     tokenizer = parser_cases.FakeTokenizer()
 
+    from vllm.entrypoints.generate.base.protocol import DeltaMessage
+
     def to_data(result: object) -> object:
+        # A streamed delta as vLLM's chat serving sends it (exclude_unset: a field set
+        # to None is null); anything else without its None fields.
+        if isinstance(result, DeltaMessage):
+            return result.model_dump(exclude_unset=True)
         return result.model_dump(exclude_none=True)  # type: ignore[attr-defined]
 
     class Adapted:
@@ -113,7 +119,7 @@ def _chains(tokenizer: object, to_data: object) -> dict[str, object]:
             request = ChatCompletionRequest(
                 messages=[{"role": "user", "content": "q"}],
                 tools=parser_cases.CHAIN_TOOLS,
-                tool_choice=choice,
+                tool_choice=parser_cases.chain_choice(choice),
             )
             parser = cls(tokenizer, request.tools, chat_template_kwargs={})  # type: ignore[operator]
             return Chain(parser, request)

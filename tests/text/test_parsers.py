@@ -33,7 +33,19 @@ TABLE: dict[str, dict[str, Any]] = json.loads(
 
 
 def _to_data(result: object) -> object:
-    return msgspec.to_builtins(result)
+    # A streamed delta with its explicit nulls (UNSET fields are left out); anything
+    # else without its None fields, as the vLLM side dumps them.
+    if isinstance(result, DeltaMessage):
+        return msgspec.to_builtins(result)
+    return _without_none(msgspec.to_builtins(result))
+
+
+def _without_none(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_none(v) for v in value]
+    return value
 
 
 def ours_tools(name: str, deltas: list[str]) -> dict[str, Any]:
@@ -79,7 +91,7 @@ def ours_chain(reasoning: str, tool: str, choice: str, deltas: list[str]) -> dic
             if reasoning
             else None,
             tool_parser_class(tool)(tokenizer, parser_cases.CHAIN_TOOLS) if tool else None,
-            tool_choice=choice,
+            tool_choice=parser_cases.chain_choice(choice),
             enable_auto_tools=True,
         )
 

@@ -13,12 +13,18 @@ import signal
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
+from _procs import alive, descendants
+
+from ._servers import SERVE_ARGS, free_port, vllm_lock, wait_healthy
 from .conftest import ENGINE_ENV, TINY_MODEL, vllm_python
-from .test_serve_parity import SERVE_ARGS, _free_port, _wait_healthy
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -26,28 +32,11 @@ _HEADER = "x-trio-vllm-server"
 _BODY = {"model": "tiny", "prompt": [1, 5, 7, 9], "max_tokens": 8, "temperature": 0}
 
 
-def _descendants(pid: int) -> list[int]:
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            for task in os.listdir(f"/proc/{parent}/task"):
-                with open(f"/proc/{parent}/task/{task}/children") as f:
-                    children = [int(p) for p in f.read().split()]
-                found += children
-                todo += children
-        except FileNotFoundError:
-            continue
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+@pytest.fixture(autouse=True)
+def _stock_vllm_lock() -> Iterator[None]:
+    # each test starts a stock engine: the machine's lock, held in-process
+    with vllm_lock():
+        yield
 
 
 def _start(port: int) -> subprocess.Popen[bytes]:
@@ -70,13 +59,13 @@ def _both_serving(port: int, deadline: float) -> None:
 
 
 def test_two_servers_on_a_stock_engine() -> None:
-    port = _free_port()
+    port = free_port()
     group = _start(port)
     everything: list[int] = []
     try:
-        _wait_healthy(group, port, 900)
+        wait_healthy(group, port, 900)
         _both_serving(port, time.monotonic() + 300)
-        everything = _descendants(group.pid)
+        everything = descendants(group.pid)
         texts: dict[str, set[str]] = {}
         for _ in range(40):
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as fresh:
@@ -95,8 +84,8 @@ def test_two_servers_on_a_stock_engine() -> None:
         group.send_signal(signal.SIGTERM)
         assert group.wait(180) == 0
         deadline = time.monotonic() + 60
-        while any(_alive(p) for p in everything):
-            assert time.monotonic() < deadline, [p for p in everything if _alive(p)]
+        while any(alive(p) for p in everything):
+            assert time.monotonic() < deadline, [p for p in everything if alive(p)]
             time.sleep(0.2)
     finally:
         if group.poll() is None:
@@ -105,12 +94,12 @@ def test_two_servers_on_a_stock_engine() -> None:
 
 
 def test_stock_engine_death_exits_1() -> None:
-    port = _free_port()
+    port = free_port()
     group = _start(port)
     try:
-        _wait_healthy(group, port, 900)
+        wait_healthy(group, port, 900)
         _both_serving(port, time.monotonic() + 300)
-        everything = _descendants(group.pid)
+        everything = descendants(group.pid)
         # The engine core only: its launcher then stops the workers, which unlink their
         # shared memory (the tier's teardown check; SIGKILLing those leaves it).
         cores = [p for p in everything if b"EngineCore" in _cmdline(p)]
@@ -118,8 +107,8 @@ def test_stock_engine_death_exits_1() -> None:
         os.kill(cores[0], signal.SIGKILL)
         assert group.wait(180) == 1
         deadline = time.monotonic() + 60
-        while any(_alive(p) for p in everything):
-            assert time.monotonic() < deadline, [p for p in everything if _alive(p)]
+        while any(alive(p) for p in everything):
+            assert time.monotonic() < deadline, [p for p in everything if alive(p)]
             time.sleep(0.2)
     finally:
         if group.poll() is None:

@@ -14,8 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import TINY_MODEL
-from .test_serve_parity import SERVED, serve_both
+from ._servers import SERVED, serve_pair
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -97,7 +96,7 @@ def run_bodies(port: int) -> list[Any]:
 
 
 def test_malformed_bodies_as_vllm_serve() -> None:
-    expected, got = serve_both(TINY_MODEL, run_bodies)
+    expected, got = serve_pair(run_bodies)
     assert expected[-1] == got[-1] == 200
     n = len(SAME)
     mismatches = [

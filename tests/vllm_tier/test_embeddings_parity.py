@@ -16,16 +16,14 @@ from __future__ import annotations
 import base64
 import os
 import subprocess
-import sys
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 
+from ._servers import SERVED, serve_pair, vllm_lock
 from .conftest import ENGINE_ENV, TINY_MODEL, vllm_python
-from .test_serve_parity import SERVE_ARGS, SERVED, VLLM_CLI, _free_port, _stop, _wait_healthy
-from .test_tokens_parity import vllm_lock
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -46,6 +44,8 @@ BAD: list[tuple[dict[str, Any], bool]] = [  # (body, whether the message must ma
     ({"input": [1, 600]}, True),
     ({"input": []}, True),
     ({"input": "hi", "model": "nope"}, True),
+    ({"input": 5, "normalize": True}, True),  # removed: refused before any field
+    ({"input": "hi", "task": "score"}, True),
 ]
 
 
@@ -77,39 +77,8 @@ def _run(port: int) -> dict[str, Any]:
     return results
 
 
-def _start_stock(python: str, args: list[str], port: int) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [python, str(VLLM_CLI), "serve", str(TINY_MODEL), "--served-model-name", SERVED,
-         "--host", "127.0.0.1", "--port", str(port), *SERVE_ARGS, *args],
-        env={**os.environ, **ENGINE_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-
-
-def _start_ours(python: str, args: list[str], port: int) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "trio_vllm.cli", "serve", "--engine", "vllm",
-         "--vllm-python", python, "--model", str(TINY_MODEL), "--served-model-name", SERVED,
-         "--port", str(port), f"--engine-args={' '.join([*SERVE_ARGS, *args])}",
-         "--ready-timeout", "800"],
-        env={**os.environ, **ENGINE_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-
-
-def _serve(start: Any, python: str, args: list[str], run: Any) -> Any:
-    port = _free_port()
-    with vllm_lock():  # in-process: the stock server (or engine) is stopped before it ends
-        process = start(python, args, port)
-        try:
-            _wait_healthy(process, port, 900)
-            return run(port)
-        finally:
-            _stop(process)
-
-
 def test_embeddings_match_vllm_serve() -> None:
-    python = vllm_python()
-    want = _serve(_start_stock, python, POOLING_ARGS, _run)
-    got = _serve(_start_ours, python, POOLING_ARGS, _run)
+    want, got = serve_pair(_run, engine_args=POOLING_ARGS)
     for body, (w_vecs, w_usage, w_model), (g_vecs, g_usage, g_model) in zip(
         GOOD, want["good"], got["good"], strict=True
     ):
@@ -129,14 +98,11 @@ def test_embeddings_match_vllm_serve() -> None:
 
 
 def test_no_embeddings_route_on_a_generate_model() -> None:
-    python = vllm_python()
-
     def run(port: int) -> tuple[int, Any]:
         r = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": "hi"}, timeout=60)
         return r.status_code, r.json()
 
-    want = _serve(_start_stock, python, [], run)
-    got = _serve(_start_ours, python, [], run)
+    want, got = serve_pair(run)
     assert got == want == (404, {"detail": "Not Found"})
 
 

@@ -13,8 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import TINY_MODEL
-from .test_serve_parity import SERVED, serve_both
+from ._servers import SERVED, serve_pair
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -99,7 +98,7 @@ def run_errors(port: int) -> list[Any]:
 
 
 def test_serve_refuses_bad_parameters_as_vllm_serve() -> None:
-    expected, got = serve_both(TINY_MODEL, run_errors)
+    expected, got = serve_pair(run_errors)
     assert got[: len(OURS_ONLY)] == [400] * len(OURS_ONLY)
     assert expected[: len(OURS_ONLY)] == [status for _, _, status in OURS_ONLY]
     mismatches = [

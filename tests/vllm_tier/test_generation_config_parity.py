@@ -25,8 +25,9 @@ import pytest
 
 from trio_vllm.text import ModelFiles
 
+from ._servers import SERVED, serve_pair
 from .conftest import ENGINE_ENV, TINY_MODEL, vllm_python
-from .test_serve_parity import SERVED, _summary, serve_both
+from .test_serve_parity import _summary
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -143,7 +144,7 @@ def _run(port: int) -> list[Any]:
 def test_serve_applies_generation_config_as_vllm_serve(tmp_path: Path) -> None:
     vllm_python()  # skips without a python with vLLM, before the model is copied
     model = _model_copy(tmp_path / "tiny-gen", GENERATION_CONFIG)
-    expected, got = serve_both(model, _run)
+    expected, got = serve_pair(_run, model=model)
     for case, want, have in zip([*SERVE_CASES, REFUSED], expected, got, strict=True):
         assert have == want, case
     # not vacuous: the file's max_new_tokens limited the chat answers, vLLM refused n=2

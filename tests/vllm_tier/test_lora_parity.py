@@ -1,7 +1,8 @@
 """A LoRA adapter served by name: ``trio-vllm serve --lora-modules`` gives the tokens
 ``vllm serve --enable-lora --lora-modules`` gives with the same adapter (a random PEFT
 adapter from ``trio_vllm.testing.write_lora_adapter``), ``/v1/models`` lists it alike,
-an unknown adapter name gets the same 404; and ``open_llm(...).generate_final(...,
+an unknown adapter name gets the same 404 (and the adapter's tokens differ from the
+base model's, so the equality is not vacuous); and ``open_llm(...).generate_final(...,
 lora_request=...)`` equals vLLM's ``LLM.generate(..., lora_request=...)``.
 """
 
@@ -21,9 +22,8 @@ from trio_vllm.client import VllmEngines
 from trio_vllm.protocol import LoRARequest, SamplingParams
 from trio_vllm.testing import write_lora_adapter
 
+from ._servers import SERVED, serve_pair, vllm_lock
 from .conftest import ENGINE_ARGS, ENGINE_ENV, TINY_MODEL, vllm_python
-from .test_serve_parity import SERVED
-from .test_tokens_parity import serve_pair, vllm_lock
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -70,8 +70,11 @@ def test_lora_by_name_matches_vllm_serve(tmp_path: Path) -> None:
     assert got == expected
     lora_outputs, base_outputs = expected[1:3], expected[3:5]
     assert all(o["model"] == NAME and o["token_ids"] for o in lora_outputs)
-    # not vacuous: the adapter changes what the model generates
-    assert [o["token_ids"] for o in lora_outputs] != [o["token_ids"] for o in base_outputs]
+    assert all(o["model"] == SERVED and o["token_ids"] for o in base_outputs)
+    # not vacuous: for every prompt the adapter changes the greedy tokens (in both
+    # servers, as they are equal), so equal LoRA tokens show the adapter was applied
+    for lora_out, base_out in zip(lora_outputs, base_outputs, strict=True):
+        assert lora_out["token_ids"] != base_out["token_ids"]
     assert expected[-1]["status"] == 404
 
 
@@ -84,11 +87,14 @@ model, adapter, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 llm = LLM(model=model, load_format="dummy", dtype="float32", max_model_len=256,
           enforce_eager=True, max_num_seqs=8, enable_lora=True, max_lora_rank=8, max_loras=2)
 lora = LoRARequest("tiny-lora", 1, adapter)
+base = [list(r.outputs[0].token_ids) for r in llm.generate(
+    prompts, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)]
 out = []
-for p in prompts:
+for p, b in zip(prompts, base):
     (r,) = llm.generate([p], SamplingParams(max_tokens=12, temperature=0, prompt_logprobs=2),
                         lora_request=lora, use_tqdm=False)
     out.append({"token_ids": list(r.outputs[0].token_ids), "text": r.outputs[0].text,
+                "base_token_ids": b,
                 "prompt_logprobs": [None if x is None else
                                     [[t, v.logprob, v.rank, v.decoded_token]
                                      for t, v in x.items()] for x in r.prompt_logprobs]})
@@ -131,6 +137,8 @@ def test_open_llm_lora_matches_llm_generate(tmp_path: Path) -> None:
     theirs = json.loads(proc.stdout[proc.stdout.rindex("@@RESULT@@") + len("@@RESULT@@") :])
     for want, have in zip(theirs, ours, strict=True):
         assert have["token_ids"] == want["token_ids"]
+        # not vacuous: the adapter changes LLM.generate's greedy tokens
+        assert want["token_ids"] != want["base_token_ids"]
         assert have["text"] == want["text"]
         assert len(have["prompt_logprobs"]) == len(want["prompt_logprobs"])
         for a, b in zip(want["prompt_logprobs"], have["prompt_logprobs"], strict=True):

@@ -10,29 +10,15 @@ must be equal, streamed and not.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 import pytest
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
-    from pathlib import Path
-
-from .conftest import ENGINE_ARGS, ENGINE_ENV, REPO, TINY_MODEL, vllm_python
+from ._servers import SERVED, serve_pair
 
 pytestmark = pytest.mark.timeout(1500)
-
-VLLM_CLI = REPO.parent / "shared" / "interop" / "vllm_cli.py"
-SERVE_ARGS = [a for a in ENGINE_ARGS if a != "--skip-tokenizer-init"]
-SERVED = "tiny"
 
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0}),
@@ -53,35 +39,6 @@ CASES: list[tuple[str, dict[str, Any]]] = [
                               "max_tokens": 20, "temperature": 0, "stream": True,
                               "stream_options": {"include_usage": True}}),
 ]  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_healthy(process: subprocess.Popen[bytes], port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"server exited with {process.returncode} during startup")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"server on port {port} not healthy after {timeout} s")
-
-
-def _stop(process: subprocess.Popen[bytes]) -> int:
-    process.send_signal(signal.SIGTERM)
-    try:
-        return process.wait(120)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        return process.wait()
 
 
 def _summary(path: str, body: dict[str, Any], response: httpx.Response) -> dict[str, Any]:
@@ -140,43 +97,8 @@ def _run_cases(port: int) -> list[dict[str, Any]]:
     return results
 
 
-def serve_both(
-    model: Path, run: Callable[[int], list[Any]], server_args: tuple[str, ...] = ()
-) -> tuple[list[Any], list[Any]]:
-    """``run(port)`` against ``vllm serve MODEL``, then against ``trio-vllm serve --engine
-    vllm`` on the same model (which must exit 0 on SIGTERM): (vLLM's results, ours).
-    ``server_args`` go to both servers' command lines."""
-    python = vllm_python()
-    env = {**os.environ, **ENGINE_ENV}
-    port = _free_port()
-    stock = subprocess.Popen(
-        [python, str(VLLM_CLI), "serve", str(model), "--served-model-name", SERVED,
-         "--host", "127.0.0.1", "--port", str(port), *SERVE_ARGS, *server_args],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        _wait_healthy(stock, port, 900)
-        expected = run(port)
-    finally:
-        _stop(stock)
-    port = _free_port()
-    ours = subprocess.Popen(
-        [sys.executable, "-m", "trio_vllm.cli", "serve", "--engine", "vllm",
-         "--vllm-python", python, "--model", str(model), "--served-model-name", SERVED,
-         "--port", str(port), f"--engine-args={' '.join(SERVE_ARGS)}",
-         "--ready-timeout", "800", *server_args],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        _wait_healthy(ours, port, 900)
-        got = run(port)
-    finally:
-        assert _stop(ours) == 0
-    return expected, got
-
-
 def test_trio_vllm_serve_matches_vllm_serve() -> None:
-    expected, got = serve_both(TINY_MODEL, _run_cases)
+    expected, got = serve_pair(_run_cases)
     for (path, body), want, have in zip(CASES, expected, got, strict=False):
         assert have == want, (path, body)
     assert got[-1] == expected[-1]

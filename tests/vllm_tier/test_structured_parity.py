@@ -17,7 +17,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -31,12 +31,24 @@ from trio_vllm.protocol import StructuredOutputsParams
 from trio_vllm.protocol.structured import resolve_structured_outputs
 from trio_vllm.sync import SyncClient
 
+from ._servers import SERVED, serve_pair
 from .conftest import ENGINE_ARGS, ENGINE_ENV, EXPECTED_GREEDY, TINY_MODEL, vllm_python
 from .llm_reference import request_output_json
-from .test_serve_parity import SERVED, _summary, serve_both
+from .test_serve_parity import _summary
 from .test_text_frontend_parity import _json, _vllm_side
+from .test_tokens_parity import vllm_lock
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 pytestmark = pytest.mark.timeout(1800)
+
+
+@pytest.fixture(autouse=True)
+def _one_stock_vllm_at_a_time() -> Iterator[None]:
+    with vllm_lock():  # every test here starts a stock engine or server
+        yield
+
 
 OUR_ENGINE_ARGS = [a for a in ENGINE_ARGS if a != "--skip-tokenizer-init"]
 _P = "/v1/completions"
@@ -129,7 +141,7 @@ def _run(port: int) -> list[Any]:
 
 
 def test_serve_structured_outputs_match_vllm_serve() -> None:
-    expected, got = serve_both(TINY_MODEL, _run)
+    expected, got = serve_pair(_run)
     mismatches = [
         (json.dumps(case)[:160], want, have)
         for case, want, have in zip(CASES + BAD, expected, got, strict=True)

@@ -10,27 +10,15 @@ process (`vllm_lock`).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 import pytest
 
-from .conftest import ENGINE_ENV, TINY_MODEL, vllm_python
-from .test_serve_parity import SERVE_ARGS, SERVED, VLLM_CLI, _free_port, _stop, _wait_healthy
-
-if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
+from ._servers import SERVED, serve_pair
 
 pytestmark = pytest.mark.timeout(1500)
-
-LOCK = Path("/work/locks/vllm.lock")
 
 MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi 🎉"}]
 TOKEN_CASES: list[tuple[str, dict[str, Any]]] = [
@@ -69,64 +57,6 @@ LOGPROB_CASES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "prompt_logprobs": -1}),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "prompt_logprobs": -3}),
 ]  # fmt: skip
-
-
-@contextlib.contextmanager
-def vllm_lock() -> Iterator[None]:
-    """The machine's stock-vLLM lock, held by this process while its stock servers or
-    engines run. Not ``flock`` around the ``Popen``: SIGTERM to ``flock`` would leave
-    its child serving, holding the lock."""
-    if not LOCK.exists():
-        yield
-        return
-    with LOCK.open() as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def serve_pair(
-    run: Callable[[int], list[Any]],
-    *,
-    stock_args: Sequence[str] = (),
-    our_args: Sequence[str] = (),
-    engine_args: Sequence[str] = (),
-) -> tuple[list[Any], list[Any]]:
-    """``run(port)`` against ``vllm serve`` (``stock_args`` and ``engine_args`` added),
-    then ``trio-vllm serve --engine vllm`` (``our_args``; ``engine_args`` to the engine):
-    (vLLM's results, ours). Ours must exit 0 on SIGTERM."""
-    python = vllm_python()
-    env = {**os.environ, **ENGINE_ENV}
-    serve_args = [*SERVE_ARGS, *engine_args]
-    port = _free_port()
-    with vllm_lock():
-        stock = subprocess.Popen(
-            [python, str(VLLM_CLI), "serve", str(TINY_MODEL), "--served-model-name",
-             SERVED, "--host", "127.0.0.1", "--port", str(port), *serve_args, *stock_args],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            _wait_healthy(stock, port, 900)
-            expected = run(port)
-        finally:
-            _stop(stock)
-    port = _free_port()
-    with vllm_lock():
-        ours = subprocess.Popen(
-            [sys.executable, "-m", "trio_vllm.cli", "serve", "--engine", "vllm",
-             "--vllm-python", python, "--model", str(TINY_MODEL), "--served-model-name",
-             SERVED, "--port", str(port), f"--engine-args={' '.join(serve_args)}",
-             "--ready-timeout", "800", *our_args],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            _wait_healthy(ours, port, 900)
-            got = run(port)
-        finally:
-            assert _stop(ours) == 0
-    return expected, got
 
 
 def _error(r: httpx.Response) -> dict[str, Any]:

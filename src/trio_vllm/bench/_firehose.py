@@ -73,17 +73,32 @@ def _rates(outputs: int, messages: float, seconds: float, cpu_s: float) -> dict[
     }
 
 
+# --gc-threshold: the collector's first threshold in every case (None: Python's own).
+_gc_threshold: int | None = None
+_saved_thresholds: tuple[int, int, int] | None = None
+
+
 def _freeze_heap() -> None:
     """What a server does once started (vLLM's API server: ``freeze_gc_heap``, and
     docs/performance.md tells trio-vllm's users the same): move everything alive into
     the permanent generation, so full collections in the hot loop skip the startup
-    heap. Every case does it after its client is up; :func:`_finish` undoes it."""
+    heap. Every case does it after its client is up; :func:`_finish` undoes it. With
+    ``--gc-threshold N`` every case also sets the first threshold to N (the advice of
+    "Keeping the collector out of the hot loop"), and :func:`_finish` restores it."""
+    global _saved_thresholds
     gc.collect()
     gc.freeze()
+    if _gc_threshold is not None:
+        _saved_thresholds = gc.get_threshold()
+        gc.set_threshold(_gc_threshold, *_saved_thresholds[1:])
 
 
 def _finish(rates: dict[str, Any], prof: Profile) -> dict[str, Any]:
+    global _saved_thresholds
     gc.unfreeze()
+    if _saved_thresholds is not None:
+        gc.set_threshold(*_saved_thresholds)
+        _saved_thresholds = None
     if prof.enabled:
         rates["profile"] = prof.top(10, per=rates["messages"])
     return rates
@@ -249,7 +264,8 @@ def run_vllm(
                 [python, str(_VLLM_SCRIPT), "--input", inputs, "--output", outputs,
                  "--requests", str(requests), "--tokens", str(tokens),
                  "--model", str(model_dir), "--backlog", str(backlog),
-                 *(["--profile"] if profile else [])],
+                 *(["--profile"] if profile else []),
+                 *(["--gc-threshold", str(_gc_threshold)] if _gc_threshold else [])],
                 stdout=subprocess.PIPE, stderr=log_file, text=True,
                 env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
             )  # fmt: skip
@@ -442,6 +458,8 @@ _TARGETS = {"b/a": 0.8, "c/a": 0.8, "b/e": 3.0, "d256/b": 0.6, "d4096/b": 0.4}
 
 
 def run(args: Any) -> int:
+    global _gc_threshold
+    _gc_threshold = getattr(args, "gc_threshold", None)
     batches = [int(b) for b in str(args.batch).split(",") if b]
     consumers = [int(c) for c in str(args.consumers).split(",") if c]
     load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
@@ -465,6 +483,7 @@ def run(args: Any) -> int:
         "machine": machine(),
         "load_at_start": load_at_start,
         "profiled": bool(getattr(args, "profile", False)),
+        "gc_threshold": _gc_threshold,
         "targets": _TARGETS,
         "runs": results,
     }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import json
 import os
@@ -70,6 +71,8 @@ async def _run(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     ready_s = time.perf_counter() - begin
     # As vLLM's API server does once started (the bench does the same for trio-vllm).
     importlib.import_module("vllm.utils.gc_utils").freeze_gc_heap()
+    if args.gc_threshold:  # the same collector setting as the bench's other cases
+        gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
     try:
         requests = [
             engine_core_request(
@@ -131,6 +134,7 @@ def main() -> None:
         help="sleep S seconds after the ADDs, then time the drain",
     )
     parser.add_argument("--profile", action="store_true", help="cProfile top-10 in RESULT")
+    parser.add_argument("--gc-threshold", type=int, default=0, help="gc first threshold")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     config = _config(args.model)

@@ -132,6 +132,14 @@ def add_parser(commands: Any) -> None:
         "--vllm-python", metavar="PY", help="a python with vLLM: also measure vLLM's AsyncMPClient"
     )
     fh.add_argument(
+        "--gc-threshold",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="every case (vLLM's too) sets the collector's first threshold to N after "
+        "freezing its startup heap (default: Python's, 700; docs/performance.md)",
+    )
+    fh.add_argument(
         "--stream-backends",
         default="trio",
         type=_choices(*_BACKENDS),

@@ -83,6 +83,12 @@ def add_parser(commands: Any) -> None:
         "engines need LoRA enabled, e.g. --engine-args='--enable-lora ...')",
     )
     h.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a request's own chat_template (chat completions, /tokenize); "
+        "without it such a request gets HTTP 400, as from vllm serve",
+    )
+    h.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=None,
@@ -127,7 +133,10 @@ def add_parser(commands: Any) -> None:
         "--tool-call-parser",
         default=None,
         metavar="NAME",
-        help="the model's tool-call format: hermes, llama3_json or pythonic",
+        help=(
+            "the model's tool-call format: hermes, llama3_json or pythonic "
+            "(mistral: refused, not ported)"
+        ),
     )
     t.add_argument(
         "--reasoning-parser",
@@ -359,6 +368,7 @@ def run(args: argparse.Namespace) -> int:
                 override_generation_config=args.override_generation_config,
                 client_options=options,
                 lora_modules=loras,
+                trust_request_chat_template=args.trust_request_chat_template,
                 listen_fd=args.listen_fd,
                 server_index=args.api_server_index,
                 parent_pid=args.api_server_parent,

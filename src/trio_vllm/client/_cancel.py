@@ -2,22 +2,29 @@
 
 Every public receive call checks for cancellation, also when it returns at once from
 what is buffered (documented; see `Mailbox`). That check is paid once per output on
-the buffered path, so it is bound to the cheapest form that keeps the contract:
+the buffered path, so it is bound to the cheapest form that keeps the contract: a
+plain function (`backend_pending`) that answers "certainly not cancelled" by reading
+the backend's own cancel state, and hands every other case to anyio's public
+``checkpoint_if_cancelled``, which yields and raises. A plain call, not a coroutine:
+awaiting a coroutine per output was a visible part of a stream's cost (issue 25).
 
-- trio: trio's own ``checkpoint_if_cancelled``, skipping anyio's dispatch.
-- asyncio: `asyncio_check`, which answers "nothing to do" by reading anyio's cancel
-  scope state itself and hands every other case to anyio's public
-  ``checkpoint_if_cancelled``. The public call costs several times more per call: a
-  backend lookup through sniffio, then anyio's ``WeakKeyDictionary``
-  lookup (a new weakref per call) and its scope walk. `asyncio_check` reads the same
-  state through a weakref kept from the previous call (figures in
-  docs/performance.md). That needs anyio's private asyncio internals
-  (``_task_states``, ``TaskState.cancel_scope``, ``CancelScope._cancel_called``,
-  ``_shield``, ``_parent_scope``), so it is used only for the anyio versions whose
-  internals were read and tested (`_KNOWN_ANYIO`) and after probing that the names
-  exist; otherwise the public call is used. It can only err towards safety: the
-  raising is always anyio's, and a state it cannot read (a task anyio does not know)
-  goes to the public call too.
+- trio: `trio_pending` reads the calling task's cancel status (``_cancel_status``,
+  ``effectively_cancelled``, ``_runner.main_task``, ``ki_pending``) and counts the
+  cancel point (``_cancel_points``), exactly what trio's own
+  ``checkpoint_if_cancelled`` does when it does not yield.
+- asyncio: `asyncio_pending` reads anyio's cancel scope state. anyio's public call costs
+  several times more per call: a backend lookup through sniffio, then anyio's
+  ``WeakKeyDictionary`` lookup (a new weakref per call) and its scope walk; this reads
+  the same state through a weakref kept from the previous call (figures in
+  docs/performance.md), through anyio's private asyncio internals (``_task_states``,
+  ``TaskState.cancel_scope``, ``CancelScope._cancel_called``, ``_shield``,
+  ``_parent_scope``).
+
+Both read private internals, so each is used only for the releases whose source was
+read and tested (`_KNOWN_TRIO`, `_KNOWN_ANYIO`) and after probing that the names exist;
+otherwise every call goes to the public one. They can only err towards safety: the
+raising is always the library's own, and a state they cannot read (a task anyio does
+not know) goes to the public call too.
 """
 
 from __future__ import annotations
@@ -32,22 +39,32 @@ import anyio.lowlevel
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-__all__ = ["backend_check"]
+__all__ = ["backend_check", "backend_pending", "checkpoint_if_cancelled"]
+
+#: What a caller awaits when a pending predicate answers True: it yields and raises
+#: if the calling task is cancelled, and returns otherwise.
+checkpoint_if_cancelled: Final = anyio.lowlevel.checkpoint_if_cancelled
 
 # anyio releases whose asyncio backend was read and tested with the code below (its own
 # checkpoint_if_cancelled walks the same fields). Any other falls back to the public
 # call until someone reads its source and widens this range.
 _KNOWN_ANYIO: Final = ((4, 16), (4, 16))
+# The same for trio (its checkpoint_if_cancelled reads the fields trio_pending reads).
+_KNOWN_TRIO: Final = ((0, 35), (0, 35))
 
 
-def _anyio_version() -> tuple[int, int] | None:
+def _version(dist: str) -> tuple[int, int] | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        major, minor = version("anyio").split(".")[:2]
+        major, minor = version(dist).split(".")[:2]
         return int(major), int(minor)
     except (PackageNotFoundError, ValueError):
         return None
+
+
+def _anyio_version() -> tuple[int, int] | None:
+    return _version("anyio")
 
 
 def _asyncio_states() -> Any:
@@ -74,54 +91,119 @@ _states: Any = None
 _probed = False
 
 
-def asyncio_check() -> Callable[[], Awaitable[None]]:
-    """A cancellation check for one consumer on asyncio (each mailbox binds its own:
-    it remembers the last calling task). Same contract as anyio's
-    ``checkpoint_if_cancelled``: no yield unless cancelled; if cancelled, anyio's
-    call raises."""
+def _always() -> bool:
+    """The pending predicate where the backend's state cannot be read: always ask."""
+    return True
+
+
+def asyncio_pending() -> Callable[[], bool]:
+    """A pending predicate for one consumer on asyncio (each mailbox binds its own: it
+    remembers the last calling task): False only when anyio's scopes certainly do not
+    cancel the calling task; True sends the caller to the public call."""
     global _states, _probed
     if not _probed:
         _states, _probed = _asyncio_states(), True
-    public = anyio.lowlevel.checkpoint_if_cancelled
     data = _states
     if data is None:
-        return public
+        return _always
     current_task = asyncio.current_task
     ref = weakref.ref
     key: weakref.ref[asyncio.Task[Any]] | None = None
 
-    async def check() -> None:
+    def pending() -> bool:
         nonlocal key
         task = current_task()
         if key is None or key() is not task:
             if task is None:
-                return await public()
+                return True
             key = ref(task)
         # Read anew on every call: anyio replaces a task's state only when the task
         # starts or ends, but reading it costs one dict lookup with the kept key.
         state = data.get(key)
         scope = None if state is None else state.cancel_scope
         if scope is None:
-            return await public()  # a task anyio does not know: its call decides
+            return True  # a task anyio does not know: its call decides
         while scope is not None:
             if scope._cancel_called:
-                return await public()  # cancelled: anyio's call raises
+                return True  # cancelled: anyio's call raises
             if scope._shield:
-                return None
+                return False
             scope = scope._parent_scope
-        return None
+        return False
+
+    return pending
+
+
+def asyncio_check() -> Callable[[], Awaitable[None]]:
+    """`asyncio_pending` as a check to await (anyio's public call where the state is not
+    read)."""
+    pending = asyncio_pending()
+    if pending is _always:
+        return checkpoint_if_cancelled
+    return _awaitable(pending)
+
+
+def _awaitable(pending: Callable[[], bool]) -> Callable[[], Awaitable[None]]:
+    async def check() -> None:
+        if pending():
+            await checkpoint_if_cancelled()
 
     return check
 
 
-def backend_check() -> Callable[[], Awaitable[None]]:
-    """The running backend's cancellation check (see the module docs).
+_trio_probed: Callable[[], bool] | None = None
+
+
+def _trio_pending_for(trio: Any) -> Callable[[], bool]:
+    """`trio_pending` if trio's internals are the known ones, else `_always`."""
+    found = _version("trio")
+    if found is None or not _KNOWN_TRIO[0] <= found <= _KNOWN_TRIO[1]:
+        return _always
+    current_task = trio.lowlevel.current_task
+    try:
+        task = current_task()
+        probe = (
+            task._cancel_status.effectively_cancelled,
+            task._runner.main_task,
+            task._runner.ki_pending,
+            task._cancel_points,
+        )
+    except (AttributeError, RuntimeError):
+        return _always
+    if not isinstance(probe[0], bool) or not isinstance(probe[3], int):
+        return _always
+
+    def trio_pending() -> bool:
+        task = current_task()
+        if task._cancel_status.effectively_cancelled or (
+            task is task._runner.main_task and task._runner.ki_pending
+        ):
+            return True  # trio's call yields and raises
+        task._cancel_points += 1  # what trio's call counts when it does not yield
+        return False
+
+    return trio_pending
+
+
+def backend_pending() -> Callable[[], bool]:
+    """The running backend's pending predicate (see the module docs): call it, and
+    await `checkpoint_if_cancelled` when it returns True.
 
     trio is looked up, not imported: no trio task can run before trio is imported, and
     the client must import where only anyio is installed (the in-process adapter runs in
     vLLM's own interpreter, which has no trio)."""
+    global _trio_probed
     trio = sys.modules.get("trio")
     if trio is not None and trio.lowlevel.in_trio_task():
-        check: Callable[[], Awaitable[None]] = trio.lowlevel.checkpoint_if_cancelled
-        return check
-    return asyncio_check()
+        if _trio_probed is None:
+            _trio_probed = _trio_pending_for(trio)
+        return _trio_probed
+    return asyncio_pending()
+
+
+def backend_check() -> Callable[[], Awaitable[None]]:
+    """`backend_pending` as a check to await (for callers that want one awaitable)."""
+    pending = backend_pending()
+    if pending is _always:
+        return checkpoint_if_cancelled
+    return _awaitable(pending)

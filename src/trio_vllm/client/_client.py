@@ -55,11 +55,15 @@ from ..protocol.session import (
 from ..protocol.structs import EngineCoreOutput, EngineCoreRequest, FinishReason
 from . import _args
 from ._calls import call_all, call_one
+from ._cancel import checkpoint_if_cancelled
 from ._engines import check_sources
 from ._liveness import watch_stalls
 from ._mailbox import Mailbox
 from ._options import ClientOptions, resolve_options
 from ._owner import LoopOwner
+from ._owner import get_ident as _get_ident
+from ._owner import get_running_loop as _get_running_loop
+from ._owner import sniffio_local as _sniffio
 from ._receiver import Receiver
 from ._scaling import Scaling
 from ._sender import Sender
@@ -435,14 +439,21 @@ class EngineCoreClient(NamedUtilities):
         per millisecond (it always checks for cancellation), so draining a backlog does
         not pay a full scheduler pass per batch.
         """
-        self._owner.check("get_output")
+        owner = self._owner
+        if (
+            _get_ident() != owner.thread
+            or _get_running_loop() is not owner.asyncio_loop
+            or _sniffio.name != owner.library
+        ):
+            owner.check("get_output")  # LoopOwner.check inlined: it raises here
         session = self._session
         session.raw_called = True  # session.raw_api_used(), inlined: once per batch
-        check = self._raw_check()
-        if check is not None:
+        pending = self._raw_check()
+        if pending is not None:
             # The mailbox's buffered path without a coroutine of its own (one per
             # batch): the cancellation check only; a cancelled call consumed nothing.
-            await check()
+            if pending():
+                await checkpoint_if_cancelled()  # raises if cancelled
             return self._raw_take()
         raw = self._raw
         if len(raw):  # nothing to wait for: no waiter to count

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 import anyio
 import anyio.lowlevel
 
-from ._cancel import backend_check
+from ._cancel import backend_pending, checkpoint_if_cancelled
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -179,7 +179,9 @@ class Mailbox(Generic[T]):
         # output/message. A count, not a flag: one consumer leaving its wait (woken or
         # cancelled) must not hide the others still parked from the producer.
         self._waiting = 0
-        self._check_cancelled: Callable[[], Awaitable[None]] | None = None  # on first use
+        # The backend's "is a cancellation pending" predicate (_cancel.py), bound on
+        # first use; when it answers True the call awaits checkpoint_if_cancelled.
+        self._cancel_pending: Callable[[], bool] | None = None
         # The wake-up's abort, bound once (a bound method per park is one more object
         # alive while parked); held here, not by the wake-up: no reference cycle.
         self._abort_park: Callable[[object], object] = _NO_ABORT
@@ -221,18 +223,20 @@ class Mailbox(Generic[T]):
     def _at_end(self) -> bool:
         return self._ended
 
-    def buffered_check(self) -> Callable[[], Awaitable[None]] | None:
+    def buffered_check(self) -> Callable[[], bool] | None:
         """The fast path of a receive call, for a caller that wraps one (``get_output``):
         when an item is buffered and this mailbox yielded to other tasks less than
-        `YIELD_INTERVAL` ago, the cancellation check to await before `take_buffered`
-        (instead of a full scheduler pass); otherwise ``None`` (use ``__anext__``)."""
+        `YIELD_INTERVAL` ago, the backend's cancellation predicate (instead of a full
+        scheduler pass): call it, await ``_cancel.checkpoint_if_cancelled()`` if it
+        returns True (that raises if the task is cancelled), then `take_buffered`.
+        Otherwise ``None`` (use ``__anext__``)."""
         if self._pending and _monotonic() < self._yield_due:
-            check = self._check_cancelled
-            if check is None:
-                # The running backend's cancellation check (trio's own on trio; on
-                # asyncio a cheaper read of anyio's scope state where that is safe).
-                check = self._check_cancelled = backend_check()
-            return check
+            pending = self._cancel_pending
+            if pending is None:
+                # The running backend's check (trio's or anyio's cancel state read
+                # directly where that is known to be safe; _cancel.py).
+                pending = self._cancel_pending = backend_pending()
+            return pending
         return None
 
     def take_buffered(self) -> T:
@@ -253,10 +257,11 @@ class Mailbox(Generic[T]):
         # here it stays inline: this is the per-output path of every stream.)
         if self._pending:
             if _monotonic() < self._yield_due:
-                check = self._check_cancelled
-                if check is None:
-                    check = self._check_cancelled = backend_check()
-                await check()
+                pending = self._cancel_pending
+                if pending is None:
+                    pending = self._cancel_pending = backend_pending()
+                if pending():  # a plain call: no coroutine per output (_cancel.py)
+                    await checkpoint_if_cancelled()  # raises if cancelled
                 return self._take()
             await anyio.lowlevel.checkpoint()
         while True:

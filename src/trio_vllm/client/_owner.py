@@ -24,29 +24,35 @@ from typing import Final
 
 from sniffio import thread_local as _sniffio
 
-__all__ = ["LoopOwner"]
+__all__ = ["LoopOwner", "get_ident", "get_running_loop", "sniffio_local"]
 
 _get_running_loop: Final = asyncio._get_running_loop  # C fast path, None outside a loop
 _get_ident: Final = threading.get_ident
+# The three reads of `LoopOwner.check`, for a caller that compares inline.
+get_running_loop: Final = _get_running_loop
+get_ident: Final = _get_ident
+sniffio_local: Final = _sniffio
 
 
 class LoopOwner:
     """The thread and event loop current at creation; `check` compares."""
 
-    __slots__ = ("_asyncio_loop", "_library", "_thread", "_thread_name")
+    __slots__ = ("_thread_name", "asyncio_loop", "library", "thread")
 
     def __init__(self) -> None:
-        self._thread = _get_ident()
+        # Read-only after creation; public so that the hottest caller (get_output) can
+        # compare inline and call `check` only to raise.
+        self.thread = _get_ident()
         self._thread_name = threading.current_thread().name
-        self._asyncio_loop = _get_running_loop()
-        self._library = _sniffio.name
+        self.asyncio_loop = _get_running_loop()
+        self.library = _sniffio.name
 
     def check(self, method: str) -> None:
         """Raise ``RuntimeError`` naming ``method`` unless called from the owner loop.
 
         Synchronous and cheap (an identity comparison per part); not a checkpoint.
         """
-        if _get_ident() != self._thread:
+        if _get_ident() != self.thread:
             what = f"EngineCoreClient.{method}()"
             raise RuntimeError(
                 f"{what} was called from thread {threading.current_thread().name!r}; this "
@@ -55,7 +61,7 @@ class LoopOwner:
                 "anyio.from_thread or trio.from_thread with that loop's token, or use "
                 "trio_vllm.SyncClient)"
             )
-        if _get_running_loop() is not self._asyncio_loop or _sniffio.name != self._library:
+        if _get_running_loop() is not self.asyncio_loop or _sniffio.name != self.library:
             raise RuntimeError(
                 f"EngineCoreClient.{method}() was called from another event loop than the "
                 "one that opened this client (in the same thread); a client is bound to "

@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Final
 
 import anyio
+import anyio.lowlevel
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -21,6 +22,7 @@ from .._exceptions import ProtocolError
 from ..protocol.handshake import rank_for_identity
 from ..protocol.liveness import hang_message
 from ..protocol.session import QueueRaw, RankState
+from ..protocol.structs import EngineCoreDead
 from ._startup import _bytes
 
 if TYPE_CHECKING:
@@ -109,7 +111,8 @@ class Receiver:
         socket = self._sockets.output
         session = self._session
         # Bound once: the loop below is the per-message hot path.
-        decode = self._wire.decode_outputs
+        decode = self._wire.decode_message
+        whole = session.receive_whole
         receive = session.receive
         apply = self._apply
         queue_raw = self._queue_raw
@@ -127,23 +130,28 @@ class Receiver:
                         scope.cancel()
                     while not session.noticed:
                         limit = _RAW_BATCH_BYTES if self._raw_batch else _STREAM_BATCH_BYTES
-                        self._raw_batch = False
+                        raw_batch = False
                         for frames in await socket.receive_batch(max_bytes=limit):
-                            actions = receive(decode(frames))
+                            decoded = decode(frames)
+                            outputs: EngineCoreOutputs | None
+                            if isinstance(decoded, EngineCoreDead):
+                                outputs = None
+                            elif whole(decoded):
+                                # The raw API's one QueueRaw per message, without the
+                                # action list (receive_whole did its bookkeeping).
+                                raw_batch = True
+                                queue_raw(decoded)
+                                continue
+                            else:
+                                outputs = decoded
+                            actions = receive(outputs)
                             if actions:
-                                last = actions[-1]
-                                if type(last) is QueueRaw:  # appended last
-                                    self._raw_batch = True
-                                    if len(actions) == 1:
-                                        # The raw API's one action per message:
-                                        # apply's dispatch skipped, its effect kept.
-                                        queue_raw(last.outputs)
-                                    else:
-                                        apply(actions)
-                                else:
-                                    apply(actions)
+                                if type(actions[-1]) is QueueRaw:  # appended last
+                                    raw_batch = True
+                                apply(actions)
                             if session.death is not None:
                                 return
+                        self._raw_batch = raw_batch
                 self._scope = None
                 if session.noticed:
                     await self.drain_after_exit(socket)

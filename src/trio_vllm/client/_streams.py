@@ -16,17 +16,21 @@ produced. A consumer that keeps up sees one output per engine step.
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Any
+import time
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
 from ..protocol.structs import EngineCoreOutput, FinishReason
+from ._cancel import checkpoint_if_cancelled
 from ._mailbox import YIELD_INTERVAL, Mailbox
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
 __all__ = ["YIELD_INTERVAL", "RequestStream", "coalesce_outputs"]
+
+_monotonic: Final = time.monotonic  # bound once: read on every buffered output
 
 # Fields merged specially; all others keep the newest non-nil value, except the ones in
 # _KEEP_FIRST, which only a request's first output carries.
@@ -236,6 +240,25 @@ class RequestStream(Mailbox[EngineCoreOutput]):
 
     def __aiter__(self) -> RequestStream:
         return self
+
+    async def __anext__(self) -> EngineCoreOutput:
+        # The per-output path of every stream, inlined: an output buffered, no merge
+        # pending on it, the yield not due and the cancellation predicate bound (after
+        # the consumer's first call). Exactly what Mailbox.__anext__ and _take do for
+        # that case, without their two method calls (docs/performance.md, issue 25);
+        # everything else (waiting, yielding, the end, a pending merge) is theirs.
+        pending = self._pending
+        if pending and self._lp_parts is None and _monotonic() < self._yield_due:
+            check = self._cancel_pending
+            if check is not None:
+                if check():
+                    await checkpoint_if_cancelled()  # raises: nothing consumed
+                output = pending.popleft()
+                if output.finish_reason is not None:
+                    self.finish_reason = output.finish_reason
+                    self._done = True
+                return output
+        return await super().__anext__()
 
     def _at_end(self) -> bool:
         return self._done or self.aborted

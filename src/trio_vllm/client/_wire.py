@@ -53,6 +53,9 @@ class Wire:
         self._codec = ClientCodec(
             profile, allow_insecure_serialization=allow_insecure_serialization
         )
+        # The receive loop's decode, bound once (one Python call per message less than
+        # decode_outputs): EngineCoreOutputs, or the codec's EngineCoreDead singleton.
+        self.decode_message = self._codec.decode_outputs
 
     @classmethod
     def create(

@@ -277,7 +277,173 @@ class _Call(Generic[C]):
         self.handle = handle
 
 
-class ClientSession(Generic[S, C]):
+class _OutputRouting(Generic[S, C]):
+    """The half of `ClientSession` that routes decoded output messages (`receive`,
+    `receive_whole`). Its state is the session's, declared here and set by
+    `ClientSession.__init__`; the session's other rules it uses are declared below."""
+
+    death: DeathRecord | None
+    on_engine_death: Literal["fail", "continue"]
+    unattributed_deaths: int
+    raw_called: bool
+    raw_waiters: int
+    _ranks: dict[int, _Rank]
+    _balancer: LoadBalancer
+    _waves: WaveTracker | None
+    _requests: dict[str, _Request[S]]
+    _raw_live: int
+    _calls: dict[int, _Call[C]]
+    _clock: Callable[[], float]
+    _raw_interest_until: float
+
+    if TYPE_CHECKING:
+
+        @property
+        def ranks(self) -> list[int]: ...
+
+        def _die(
+            self, message: str, rank: int | None, cause: BaseException | None
+        ) -> list[Action[S, C]]: ...
+
+        def _release(self, req: _Request[S]) -> list[Action[S, C]]: ...
+
+        def _wave(self, start: StartWave | None) -> list[Action[S, C]]: ...
+
+    def _raw_interest(self) -> bool:
+        if self._raw_live > 0 or self.raw_waiters > 0:
+            return True
+        now = self._clock()
+        if self.raw_called:
+            self.raw_called = False
+            self._raw_interest_until = now + RAW_INTEREST_S
+        return now < self._raw_interest_until
+
+    def receive_whole(self, outputs: EngineCoreOutputs) -> bool:
+        """The raw API's fast path for one decoded message: True when `receive` would
+        return exactly ``[QueueRaw(outputs)]`` (every output a live raw request's, none
+        final, nothing else in the message for the client), with its bookkeeping done;
+        the shell then queues ``outputs`` itself. False: nothing was changed, call
+        `receive`. Never raises. (ENGINE_CORE_DEAD, ``None`` for `receive`, always
+        goes to `receive`.)
+
+        One call per message instead of `receive`'s action list and `QueueRaw`
+        (allocations that stay alive in the shell's queue; docs/performance.md, issue
+        25). Anything unusual (a death, an unknown or lost rank, a utility reply, wave
+        fields, a finish, an output of another request) is left to `receive`.
+        """
+        requests = self._requests
+        if (
+            self.death is not None
+            or len(requests) != self._raw_live
+            or outputs.utility_output is not None
+        ):
+            return False
+        outs = outputs.outputs
+        if not outs:
+            return False
+        if self._waves is not None and (
+            outputs.wave_complete is not None or outputs.start_wave is not None
+        ):
+            return False
+        index = outputs.engine_index
+        info = self._ranks.get(index)
+        if info is None or not info.served or info.state is RankState.LOST:
+            return False
+        # Raw requests only (each counted while registered): every output theirs and
+        # none final (finishes, once per request, take receive's loop).
+        for output in outs:
+            if output.finish_reason is not None or output.request_id not in requests:
+                return False
+        info.heard += 1
+        stats = outputs.scheduler_stats
+        if stats is not None:
+            self._balancer.update_stats(index, stats.num_waiting_reqs, stats.num_running_reqs)
+        return True
+
+    def receive(self, outputs: EngineCoreOutputs | None) -> list[Action[S, C]]:
+        """Route one decoded output message (``None``: ENGINE_CORE_DEAD).
+
+        Raises `ProtocolError` for an ``engine_index`` this client never knew
+        (the shell makes that the client's death). The shell may offer each message
+        to `receive_whole` first (the same result, without the action list).
+        """
+        if outputs is not None and self.receive_whole(outputs):
+            return [QueueRaw(outputs)]
+        if self.death is not None:
+            return []
+        if outputs is None:
+            live = self._balancer.live_ranks
+            if self.on_engine_death == "continue" and len(live) > 1:
+                self.unattributed_deaths += 1
+                return []
+            return self._die(_ENGINE_CORE_DEAD_MESSAGE, live[0] if len(live) == 1 else None, None)
+        index = outputs.engine_index
+        info = self._ranks.get(index)
+        if info is None:
+            raise ProtocolError(
+                f"output from unexpected engine_index {index!r} (expected one of {self.ranks})"
+            )
+        if not info.served or info.state is RankState.LOST:
+            return []  # a failed join's or a lost rank's late words
+        info.heard += 1
+        actions: list[Action[S, C]] = []
+        stats = outputs.scheduler_stats
+        if stats is not None:
+            self._balancer.update_stats(index, stats.num_waiting_reqs, stats.num_running_reqs)
+        waves = self._waves
+        if waves is not None:
+            if outputs.wave_complete is not None:
+                busy = any(self._balancer.in_flight(r) for r in self._balancer.live_ranks)
+                start = waves.on_wave_complete(outputs.wave_complete, requests_in_flight=busy)
+                actions.extend(self._wave(start))
+            if outputs.start_wave is not None:
+                actions.extend(self._wave(waves.on_start_wave(outputs.start_wave, index)))
+        utility = outputs.utility_output
+        if utility is not None:
+            call_id = utility.call_id
+            value = None if utility.result is None else utility.result.result
+            if call_id in RESERVED_CALL_IDS:
+                kind = "elastic_ep" if call_id == -1 else "fault_tolerance"
+                actions.append(EmitEvent(EngineEvent(kind, index, value)))
+            else:
+                call = self._calls.pop(call_id, None)
+                if call is not None:
+                    actions.append(ResolveCall(call.handle, utility.failure_message, value))
+            if not outputs.outputs:
+                return actions
+        requests = self._requests
+        outs = outputs.outputs
+        raw: list[EngineCoreOutput] = []
+        for output in outs:
+            req = requests.get(output.request_id)
+            if req is None or not req.counted:
+                continue  # a late output of an aborted or finished request (§3.4)
+            final = output.finish_reason is not None
+            if req.handle is not None:
+                actions.append((req.handle, output))  # Deliver
+                if final:
+                    actions.extend(self._release(req))
+            else:
+                raw.append(output)
+                if final:
+                    del requests[output.request_id]
+                    self._raw_live -= 1
+                    actions.extend(self._release(req))
+        if raw or (
+            (
+                stats is not None
+                or outputs.wave_complete is not None
+                or outputs.start_wave is not None
+            )
+            and self._raw_interest()
+        ):
+            if len(raw) != len(outputs.outputs):
+                outputs = msgspec.structs.replace(outputs, outputs=raw)
+            actions.append(QueueRaw(outputs))
+        return actions
+
+
+class ClientSession(_OutputRouting[S, C]):
     """The state of one client over its engines; see the module documentation.
 
     Generic in the shell's handles, opaque here: ``S`` for a stream (given to
@@ -742,15 +908,6 @@ class ClientSession(Generic[S, C]):
         call costs no clock read.)"""
         self.raw_called = True
 
-    def _raw_interest(self) -> bool:
-        if self._raw_live > 0 or self.raw_waiters > 0:
-            return True
-        now = self._clock()
-        if self.raw_called:
-            self.raw_called = False
-            self._raw_interest_until = now + RAW_INTEREST_S
-        return now < self._raw_interest_until
-
     # ------------------------------------------------------------------ utility calls
 
     def start_call(self, method: str, rank: int, handle: C) -> int:
@@ -784,93 +941,3 @@ class ClientSession(Generic[S, C]):
             ranks = tuple(r for r in start.ranks if r not in lost)
             start = StartWave(start.wave, start.exclude, ranks)
         return [SendWave(start)]
-
-    def receive(self, outputs: EngineCoreOutputs | None) -> list[Action[S, C]]:
-        """Route one decoded output message (``None``: ENGINE_CORE_DEAD).
-
-        Raises `ProtocolError` for an ``engine_index`` this client never knew
-        (the shell makes that the client's death).
-        """
-        if self.death is not None:
-            return []
-        if outputs is None:
-            live = self._balancer.live_ranks
-            if self.on_engine_death == "continue" and len(live) > 1:
-                self.unattributed_deaths += 1
-                return []
-            return self._die(_ENGINE_CORE_DEAD_MESSAGE, live[0] if len(live) == 1 else None, None)
-        index = outputs.engine_index
-        info = self._ranks.get(index)
-        if info is None:
-            raise ProtocolError(
-                f"output from unexpected engine_index {index!r} (expected one of {self.ranks})"
-            )
-        if not info.served or info.state is RankState.LOST:
-            return []  # a failed join's or a lost rank's late words
-        info.heard += 1
-        actions: list[Action[S, C]] = []
-        stats = outputs.scheduler_stats
-        if stats is not None:
-            self._balancer.update_stats(index, stats.num_waiting_reqs, stats.num_running_reqs)
-        waves = self._waves
-        if waves is not None:
-            if outputs.wave_complete is not None:
-                busy = any(self._balancer.in_flight(r) for r in self._balancer.live_ranks)
-                start = waves.on_wave_complete(outputs.wave_complete, requests_in_flight=busy)
-                actions.extend(self._wave(start))
-            if outputs.start_wave is not None:
-                actions.extend(self._wave(waves.on_start_wave(outputs.start_wave, index)))
-        utility = outputs.utility_output
-        if utility is not None:
-            call_id = utility.call_id
-            value = None if utility.result is None else utility.result.result
-            if call_id in RESERVED_CALL_IDS:
-                kind = "elastic_ep" if call_id == -1 else "fault_tolerance"
-                actions.append(EmitEvent(EngineEvent(kind, index, value)))
-            else:
-                call = self._calls.pop(call_id, None)
-                if call is not None:
-                    actions.append(ResolveCall(call.handle, utility.failure_message, value))
-            if not outputs.outputs:
-                return actions
-        requests = self._requests
-        outs = outputs.outputs
-        if outs and len(requests) == self._raw_live:
-            # Raw requests only (each counted while registered): if every output is
-            # theirs and none is final (finishes, once per request, take the loop
-            # below), the message is queued as decoded. The general loop's appends
-            # and the rebuilt list cost more than the decode at 64 outputs per message.
-            for output in outs:
-                if output.finish_reason is not None or output.request_id not in requests:
-                    break
-            else:
-                actions.append(QueueRaw(outputs))
-                return actions
-        raw: list[EngineCoreOutput] = []
-        for output in outs:
-            req = requests.get(output.request_id)
-            if req is None or not req.counted:
-                continue  # a late output of an aborted or finished request (§3.4)
-            final = output.finish_reason is not None
-            if req.handle is not None:
-                actions.append((req.handle, output))  # Deliver
-                if final:
-                    actions.extend(self._release(req))
-            else:
-                raw.append(output)
-                if final:
-                    del requests[output.request_id]
-                    self._raw_live -= 1
-                    actions.extend(self._release(req))
-        if raw or (
-            (
-                stats is not None
-                or outputs.wave_complete is not None
-                or outputs.start_wave is not None
-            )
-            and self._raw_interest()
-        ):
-            if len(raw) != len(outputs.outputs):
-                outputs = msgspec.structs.replace(outputs, outputs=raw)
-            actions.append(QueueRaw(outputs))
-        return actions

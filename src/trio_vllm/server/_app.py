@@ -131,6 +131,12 @@ class OpenAIServer:
             ``generate``, ``/v1/embeddings`` with ``embed``; the others answer 404).
         tool_options: ``--enable-auto-tool-choice``, ``--tool-call-parser`` and
             ``--reasoning-parser`` as `ToolOptions` (default: none of them, as vllm serve).
+            Raises `ValueError` with vLLM's startup message when a parser cannot work
+            with the model's tokenizer (`ToolOptions.check_tokenizer`).
+        trust_request_chat_template: ``--trust-request-chat-template``: accept a
+            request's own ``chat_template`` (or ``chat_template_kwargs["chat_template"]``)
+            on ``/v1/chat/completions`` and ``/tokenize``; without it such a request
+            gets vLLM's 400 (a template is code the server runs).
 
     The app is safe to call concurrently from any number of connections; on trio and
     on asyncio. `mark_dead` (the runner calls it when the engines die) turns
@@ -151,6 +157,7 @@ class OpenAIServer:
         tool_options: ToolOptions | None = None,
         lora_modules: Sequence[LoRAModulePath] = (),
         allow_runtime_lora_updating: bool | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
@@ -166,6 +173,10 @@ class OpenAIServer:
         self.fingerprint = system_fingerprint
         self.merge_outputs = merge_outputs
         self.tool_options = tool_options if tool_options is not None else ToolOptions()
+        self.trust_request_chat_template = trust_request_chat_template
+        # vLLM builds the parsers at startup and refuses to start if the tokenizer
+        # lacks what they need.
+        self.tool_options.check_tokenizer(llm.tokenizer, llm.model_name)
         self.metrics = ServerMetrics(names[0])
         self.port: int | None = None  # set by the runner once the socket listens
         self._dead = False
@@ -324,37 +335,18 @@ class OpenAIServer:
         return 200
 
     async def _models(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
+        base = self.model_root or self.model_names[0]
         cards = [
-            ModelCard(
-                id=name,
-                object="model",
-                created=self._created,
-                owned_by="vllm",
-                root=self.model_root or self.model_names[0],
-                parent=None,
-                max_model_len=self.llm.max_model_len,
-                permission=[
-                    ModelPermission(
-                        f"modelperm-{secrets.token_hex(16)}", "model_permission", self._created
-                    )
-                ],
-            )
+            _model_card(name, self._created, base, None, self.llm.max_model_len)
             for name in self.model_names
         ]
         cards.extend(
-            ModelCard(
-                id=lora.lora_name,
-                object="model",
-                created=self._created,
-                owned_by="vllm",
-                root=lora.lora_path,
-                parent=lora.base_model_name or self.model_names[0],
-                max_model_len=None,
-                permission=[
-                    ModelPermission(
-                        f"modelperm-{secrets.token_hex(16)}", "model_permission", self._created
-                    )
-                ],
+            _model_card(
+                lora.lora_name,
+                self._created,
+                lora.lora_path,
+                lora.base_model_name or self.model_names[0],
+                None,
             )
             for lora in self.loras.requests.values()
         )
@@ -426,7 +418,9 @@ class OpenAIServer:
             else:
                 treq = decode_tokenize_request(body)
                 self._check_model(treq.model)
-                answer = tokenize_response(self.llm, treq)
+                answer = tokenize_response(
+                    self.llm, treq, trust_request_chat_template=self.trust_request_chat_template
+                )
         except HTTPError as exc:
             await send_error(send, exc)
             return exc.status
@@ -469,6 +463,7 @@ class OpenAIServer:
                     header_request_id=rid,
                     extra=extra,
                     tool_options=self.tool_options,
+                    trust_request_chat_template=self.trust_request_chat_template,
                 )
             )
         except HTTPError as exc:
@@ -834,5 +829,24 @@ def _as_http_error(exc: BaseException) -> HTTPError:
     if isinstance(exc, GenerationError):
         return HTTPError(str(exc), 500, err_type="InternalServerError")
     if isinstance(exc, InvalidRequestError):
-        return HTTPError(str(exc), param=exc.param)  # a request rule's verdict
+        # A request rule's verdict. vLLM's create_error_response strips every message
+        # (sanitize_message): llguidance's grammar errors end with a newline.
+        return HTTPError(str(exc).strip(), param=exc.param)
     return HTTPError(str(exc))
+
+
+def _model_card(
+    name: str, created: int, root: str, parent: str | None, max_model_len: int | None
+) -> ModelCard:
+    """One ``/v1/models`` entry as vLLM's (a fresh permission id per listing)."""
+    permission = ModelPermission(f"modelperm-{secrets.token_hex(16)}", "model_permission", created)
+    return ModelCard(
+        id=name,
+        object="model",
+        created=created,
+        owned_by="vllm",
+        root=root,
+        parent=parent,
+        max_model_len=max_model_len,
+        permission=[permission],
+    )

@@ -18,16 +18,18 @@ Every endpoint with a body decodes it here: completions and chat (`decode_reques
 from __future__ import annotations
 
 import logging
+import re
 from typing import TYPE_CHECKING, Final, Literal, TypeAlias, TypeVar
 
 import msgspec
+import msgspec.inspect
 
 from ._http import HTTPError
 from ._schemas import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
 from ._structured import warn_removed_guided_fields
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
 __all__ = [
     "RequestKind",
@@ -90,9 +92,27 @@ def decode_object(body: bytes) -> dict[str, msgspec.Raw]:
 
 def decode_struct(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
     """``body`` decoded by ``decoder``; 400 naming the field (``param``) if it does
-    not fit, 400 if it is not JSON."""
+    not fit, 400 if it is not JSON.
+
+    Booleans as pydantic's lax mode (vLLM's) reads them, where msgspec's
+    ``strict=False`` differs: ``"yes"``/``"no"``, ``"on"``/``"off"``, ``"t"``/``"f"``,
+    ``"y"``/``"n"`` (any case) and ``0.0``/``1.0`` are booleans too; the string
+    ``"null"`` is not None for a field that takes no string. The happy path costs one
+    scan of the body; a body with such values is decoded a second time.
+    """
+    body = _unbom(body)
     try:
-        return decoder.decode(_unbom(body))
+        try:
+            req = decoder.decode(body)
+        except msgspec.ValidationError:
+            lax = _lax_body(decoder.type, body)
+            if lax is None:
+                raise
+            req = decoder.decode(lax)
+        else:
+            if _NULL_STRING.search(body) is not None:
+                _lax_body(decoder.type, body)  # raises for a "null" msgspec took as None
+        return req
     except msgspec.ValidationError as exc:
         message = str(exc)
         param = None
@@ -103,6 +123,93 @@ def decode_struct(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
         raise _bad(f"JSON decode error: {exc}") from None
     except RecursionError:  # msgspec recurses per nesting level (the interpreter's limit)
         raise _bad("JSON decode error: nested too deeply") from None
+
+
+# pydantic's lax booleans (``str_to_bool`` in pydantic-core; case-insensitive), which
+# msgspec's strict=False takes only as "true"/"false"/"1"/"0"
+_LAX_BOOL: Final = {
+    **dict.fromkeys(("1", "on", "t", "true", "y", "yes"), b"true"),
+    **dict.fromkeys(("0", "off", "f", "false", "n", "no"), b"false"),
+}
+_NULL_STRING: Final = re.compile(rb'"null"', re.IGNORECASE)
+
+
+class _Fields:
+    """A struct's fields that lax decoding looks at (encode names)."""
+
+    __slots__ = ("bools", "nested", "no_str")
+
+    def __init__(self, tp: object) -> None:
+        self.bools: set[str] = set()
+        self.no_str: set[str] = set()  # optional fields a "null" string must not fill
+        self.nested: dict[str, type] = {}
+        info = msgspec.inspect.type_info(tp)
+        if not isinstance(info, msgspec.inspect.StructType):
+            return
+        for f in info.fields:
+            types = f.type.types if isinstance(f.type, msgspec.inspect.UnionType) else (f.type,)
+            if any(isinstance(t, msgspec.inspect.BoolType) for t in types):
+                self.bools.add(f.encode_name)
+            optional = any(isinstance(t, msgspec.inspect.NoneType) for t in types)
+            if optional and not any(isinstance(t, msgspec.inspect.StrType) for t in types):
+                self.no_str.add(f.encode_name)
+            for t in types:
+                if isinstance(t, msgspec.inspect.StructType):
+                    self.nested[f.encode_name] = t.cls
+
+
+_FIELDS_OF: dict[object, _Fields] = {}
+
+
+def _lax_body(tp: object, body: bytes) -> bytes | None:
+    """``body`` with its lax booleans made JSON booleans (at the top level and in
+    nested structs), or None if it has none; raises ``msgspec.ValidationError`` for
+    a ``"null"`` string in a field that takes no string (pydantic refuses it)."""
+    try:
+        raw = _OBJECT.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None  # the first decode's error stands
+    patched = _lax_object(tp, raw, "$")
+    return None if patched is None else msgspec.json.encode(patched)
+
+
+def _lax_object(
+    tp: object, raw: dict[str, msgspec.Raw], where: str
+) -> dict[str, msgspec.Raw] | None:
+    fields = _FIELDS_OF.get(tp)
+    if fields is None:
+        fields = _FIELDS_OF[tp] = _Fields(tp)
+    patched: dict[str, msgspec.Raw] | None = None
+    for name, value in raw.items():
+        data = bytes(value)
+        new: bytes | None = None
+        if name in fields.no_str and data.startswith(b'"') and data[1:-1].lower() == b"null":
+            kind = "bool" if name in fields.bools else "value"
+            raise msgspec.ValidationError(
+                f"Expected `{kind} | null`, got `str` - at `{where}.{name}`"
+            )
+        if name in fields.bools and data not in (b"true", b"false", b"null"):
+            try:
+                decoded = _ANY.decode(data)
+            except msgspec.DecodeError:
+                continue
+            if isinstance(decoded, str):
+                new = _LAX_BOOL.get(decoded.lower())
+            elif isinstance(decoded, float) and decoded in (0.0, 1.0):
+                new = b"true" if decoded else b"false"
+        elif name in fields.nested and data.startswith(b"{"):
+            try:
+                nested = _OBJECT.decode(data)
+            except (msgspec.DecodeError, RecursionError):  # ValidationError included
+                continue  # the struct decoder's error stands
+            inner = _lax_object(fields.nested[name], nested, f"{where}.{name}")
+            if inner is not None:
+                new = msgspec.json.encode(inner)
+        if new is not None:
+            if patched is None:
+                patched = dict(raw)
+            patched[name] = msgspec.Raw(new)
+    return patched
 
 
 def decode_value(raw: msgspec.Raw | bytes) -> object:
@@ -120,14 +227,20 @@ def decode_body(
     fields: frozenset[str],
     content_type: bytes | None,
     body: bytes,
+    *,
+    check_raw: Callable[[Mapping[str, msgspec.Raw]], None] | None = None,
 ) -> tuple[T, dict[str, object]]:
     """A JSON body of any endpoint: its request struct (``decoder``'s) and the values of
     the keys not in ``fields``, which are logged as ignored (vLLM's ``extra="allow"``).
+    ``check_raw`` sees the top-level keys (values undecoded) before the fields are
+    decoded, as a pydantic ``BeforeValidator`` does, and may raise `HTTPError`.
 
     Raises `HTTPError` (400) for every malformed body and nothing else. Synchronous.
     """
     check_json(content_type)
     raw = decode_object(body)  # keys first: a non-object top level is its own 400
+    if check_raw is not None:
+        check_raw(raw)
     req = decode_struct(decoder, body)
     unknown = raw.keys() - fields
     extra: dict[str, object] = {k: decode_value(raw[k]) for k in unknown}

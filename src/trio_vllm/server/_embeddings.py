@@ -21,12 +21,12 @@ import msgspec
 import numpy as np
 
 from ..protocol import PoolingParams
-from ._decode import decode_body
+from ._decode import decode_body, decode_value
 from ._http import HTTPError
 from ._schemas import DECLARED_FIELDS
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     from ..protocol import LoRARequest
     from ..text import EmbeddingRequestOutput, Prompt
@@ -84,13 +84,34 @@ _REFUSED: Final = tuple(
     if DECLARED_FIELDS["embedding"][f.name] == "refused"
 )
 _ENDIAN: Final = {"native": "=", "little": "<", "big": ">"}
+_REMOVED_TASKS: Final = {  # vLLM's _REMOVED_POOLING_TASK_MESSAGES
+    "score": "`score` task was removed; use `classify` instead.",
+    "encode": "`encode` task was removed; use `token_embed` or `token_classify` instead.",
+}
+
+
+def _removed_parameters(raw: Mapping[str, msgspec.Raw]) -> None:
+    # vLLM's reject_removed_pooling_parameters (a BeforeValidator: before any field). Its
+    # VLLMValidationError escapes pydantic, so the message is str(exc), with the suffix.
+    message = None
+    if "normalize" in raw:
+        message, param = (
+            "Parameter `normalize` was removed; use `use_activation` instead.",
+            "normalize",
+        )
+    elif "task" in raw:
+        message, param = _REMOVED_TASKS.get(str(decode_value(raw["task"]))), "task"
+    if message is not None:
+        raise HTTPError(f"{message} (parameter={param})", param=param)
 
 
 def decode_embedding_request(content_type: bytes | None, body: bytes) -> EmbeddingRequest:
     """The body through the server's one decode path (`decode_body`): `HTTPError` 400 in
     vLLM's shape for every malformed body, and 400 naming a refused field set to
-    anything but its default. Unknown keys are logged as ignored, as vLLM's are."""
-    req, _ = decode_body(DECODER, FIELDS, content_type, body)
+    anything but its default; the removed ``normalize`` (and ``task`` ``"score"`` or
+    ``"encode"``) get vLLM's 400 before any field is read. Unknown keys are logged as
+    ignored, as vLLM's are."""
+    req, _ = decode_body(DECODER, FIELDS, content_type, body, check_raw=_removed_parameters)
     for name, default in _REFUSED:
         if getattr(req, name) != default:
             raise HTTPError(f"`{name}` is not supported by trio-vllm serve.", param=name)

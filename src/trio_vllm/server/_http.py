@@ -22,6 +22,7 @@ __all__ = [
     "read_body",
     "send_bytes",
     "send_error",
+    "validation_error",
 ]
 
 Scope = MutableMapping[str, Any]
@@ -65,6 +66,12 @@ class HTTPError(Exception):
 
     def body(self) -> bytes:
         return _ENCODER.encode(self.response())
+
+
+def validation_error(message: str, param: str) -> HTTPError:
+    """A 400 as vLLM answers a request model's ``VLLMValidationError``: its ``str()``
+    (the message, then `` (parameter=NAME)``) as ``message``, ``param`` as ``param``."""
+    return HTTPError(f"{message} (parameter={param})", param=param)
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:

@@ -17,7 +17,9 @@ import uuid
 from typing import TYPE_CHECKING
 
 import msgspec
+from msgspec import UNSET
 
+from .._exceptions import InvalidRequestError
 from ..protocol import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from ..protocol.rules import (
     CHAT,
@@ -30,6 +32,7 @@ from ..protocol.rules import (
     PromptInput,
     PromptText,
 )
+from ..text.tools import tool_choice_constraint
 from ._http import HTTPError, encode
 from ._schemas import (
     DECLARED_FIELDS,
@@ -327,11 +330,6 @@ def plan_completion(
         )
     if req.suffix is not None:
         _refuse_suffix(req)
-    if req.echo and req.logprobs is not None:
-        raise HTTPError(
-            "`echo` with `logprobs` needs prompt logprobs, which trio-vllm serve does not support.",
-            param="echo",
-        )
     max_model_len = llm.max_model_len
     tokenizer = llm.tokenizer
     defaults = llm.sampling_defaults
@@ -339,6 +337,12 @@ def plan_completion(
     params: list[SamplingParams] = []
     echo_texts: list[str] = []
     echo_only = bool(req.echo) and req.max_tokens == 0
+    # vLLM's to_sampling_params: an echo without prompt_logprobs asks for `logprobs`
+    # prompt logprobs; they become the echoed prompt's logprobs (and the choice's
+    # prompt_logprobs, as vLLM's response carries them whenever the engine was asked)
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo:
+        prompt_logprobs = req.logprobs
     # vLLM's normalize_null_max_tokens: an explicit null is the default 16, so the
     # generation config's max_new_tokens never stands in for it (a cap still applies).
     requested = _COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
@@ -365,11 +369,12 @@ def plan_completion(
                 n=req.n,
                 max_tokens=1 if echo_only else max_tokens,
                 logprobs=req.logprobs,
-                prompt_logprobs=req.prompt_logprobs,
+                prompt_logprobs=prompt_logprobs,
                 structured_outputs=structured,
             )
         )
-        echo_texts.append(text)
+        # vLLM: with return_token_ids the echo is the prompt's ids, not its text
+        echo_texts.append("" if req.return_token_ids else text)
     request_id = f"cmpl-{base_request_id(header_request_id, req.request_id)}"
     include_usage, continuous = _usage_flags(req)
     return GenerationPlan(
@@ -386,7 +391,7 @@ def plan_completion(
         return_token_ids=bool(req.return_token_ids),
         echo_texts=echo_texts if req.echo else None,
         echo_only=echo_only,
-        prompt_logprobs=req.prompt_logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -411,6 +416,39 @@ def _refuse_suffix(req: CompletionRequest) -> None:
     )
 
 
+_UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+
+
+def request_chat_template(
+    chat_template: str | None,
+    chat_template_kwargs: Mapping[str, object] | None,
+    *,
+    trusted: bool,
+) -> tuple[str | None, dict[str, object] | None]:
+    """The template and template kwargs a chat request renders with, as vLLM's.
+
+    Its ``validate_chat_template``: a request's own template (``chat_template``, or
+    ``chat_template_kwargs["chat_template"]``) is an `HTTPError` 400 unless the server
+    trusts them (``--trust-request-chat-template``): the template is code the server
+    would run. A trusted ``chat_template_kwargs["chat_template"]`` is the template when
+    ``chat_template`` is not given (vLLM's ``get_apply_chat_template_kwargs`` lets the
+    field override the kwarg), and leaves the kwargs."""
+    kwargs = None if chat_template_kwargs is None else dict(chat_template_kwargs)
+    in_kwargs = kwargs.get("chat_template") if kwargs else None
+    if not trusted and (chat_template is not None or in_kwargs is not None):
+        raise HTTPError(_UNTRUSTED_TEMPLATE)
+    # a null one is no template (vLLM renders with the model's); another non-string
+    # type stays, for the renderer to refuse
+    if kwargs and "chat_template" in kwargs and (in_kwargs is None or isinstance(in_kwargs, str)):
+        del kwargs["chat_template"]
+        if chat_template is None:
+            chat_template = in_kwargs
+    return chat_template, kwargs
+
+
 def plan_chat(
     req: ChatCompletionRequest,
     llm: TextFrontend,
@@ -419,8 +457,10 @@ def plan_chat(
     header_request_id: str | None,
     extra: Mapping[str, object],
     tool_options: ToolOptions = ToolOptions(),  # noqa: B008 - frozen, immutable
+    trust_request_chat_template: bool = False,
 ) -> GenerationPlan:
-    """Check a chat request and render its messages; `HTTPError` if bad."""
+    """Check a chat request and render its messages; `HTTPError` if bad (a request's own
+    chat template unless ``trust_request_chat_template``, as vLLM)."""
     n = 1 if req.n is None else req.n
     limits = _limits(llm.max_model_len)
     _common_checks(req, extra, limits)
@@ -431,6 +471,24 @@ def plan_chat(
     top = 0 if req.top_logprobs is None else req.top_logprobs
     check_tools(req, tool_options)
     tool_choice = tool_choice_of(req)
+    active = tool_options.active_tool_parser
+    if active is not None and req.tools and tool_choice != "none":
+        # vLLM's parser adjust_request: the tools' grammar for required/named (and
+        # auto with a strict tool or a single-call limit) replaces the request's own.
+        try:
+            structured = tool_choice_constraint(
+                active,
+                req.tools,
+                tool_choice,
+                parallel_tool_calls=req.parallel_tool_calls,
+                structured_outputs=structured,
+            )
+        except InvalidRequestError as exc:
+            raise HTTPError(str(exc), param=exc.param) from None
+    # vLLM checks the template's trust after the tool checks, before rendering
+    chat_template, chat_template_kwargs = request_chat_template(
+        req.chat_template, req.chat_template_kwargs, trusted=trust_request_chat_template
+    )
     if req.continue_final_message:
         raise HTTPError(
             "`continue_final_message` is not supported by trio-vllm serve.",
@@ -450,8 +508,8 @@ def plan_chat(
         text, ids = llm.render_chat(
             req.messages,
             add_generation_prompt=req.add_generation_prompt,
-            chat_template=req.chat_template,
-            chat_template_kwargs=req.chat_template_kwargs,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
             tools=req.tools,
         )
     except ValueError as exc:  # InvalidRequestError included
@@ -704,11 +762,15 @@ class _Responder:
             child = res.outputs[0].index if res.outputs else 0
             self._prompt_lps.setdefault((prompt_idx, child), []).extend(res.prompt_logprobs)
 
+    def _prompt_steps(self, prompt_idx: int) -> list[Mapping[int, Logprob] | None]:
+        """The prompt logprobs kept for prompt ``prompt_idx`` (its first child's)."""
+        keys = sorted(k for k in self._prompt_lps if k[0] == prompt_idx)
+        return self._prompt_lps[keys[0]] if keys else []
+
     def _prompt_logprobs(self, prompt_idx: int) -> PromptLogprobsJSON | None:
         if self.plan.prompt_logprobs is None:
             return None
-        keys = sorted(k for k in self._prompt_lps if k[0] == prompt_idx)
-        return prompt_logprobs_json(self._prompt_lps[keys[0]] if keys else [])
+        return prompt_logprobs_json(self._prompt_steps(prompt_idx))
 
     def on_outputs(self, prompt_idx: int, outs: Sequence[RequestOutput]) -> bytes:
         """`on_output` of each output in turn: their SSE events, concatenated."""
@@ -770,12 +832,15 @@ class CompletionResponder(_Responder):
                 self._echoed[i] = True
                 ptext = plan.echo_texts[prompt_idx]
                 pids = plan.prompts[prompt_idx]["prompt_token_ids"]
+                # vLLM: the echoed prompt's logprobs are the prompt logprobs this
+                # output brought (its first), then the output's own
                 if plan.echo_only:
                     text, token_ids = ptext, pids
+                    steps = res.prompt_logprobs or []
                 else:
                     text, token_ids = ptext + out.text, [*pids, *out.token_ids]
-                steps = None
-                prompt_ids = pids if plan.return_token_ids else None
+                    steps = [*(res.prompt_logprobs or []), *(out.logprobs or [])]
+                prompt_ids = pids  # vLLM's echo chunk carries them, asked for or not
             elif plan.return_token_ids and not self._echoed[i]:
                 self._echoed[i] = True
                 prompt_ids = plan.prompts[prompt_idx]["prompt_token_ids"]
@@ -849,17 +914,18 @@ class CompletionResponder(_Responder):
             text = "".join(c.text)
             token_ids = c.token_ids
             pids = plan.prompts[prompt_idx]["prompt_token_ids"]
+            steps = c.logprob_steps
             if plan.echo_texts is not None:
                 ptext = plan.echo_texts[prompt_idx]
+                prompt_steps = self._prompt_steps(prompt_idx) if plan.logprobs is not None else []
                 if plan.echo_only:
-                    text, token_ids = ptext, pids
+                    text, token_ids, steps = ptext, pids, prompt_steps
                 else:
                     text, token_ids = ptext + text, [*pids, *token_ids]
+                    steps = [*prompt_steps, *steps]
             logprobs = None
             if plan.logprobs is not None:
-                logprobs = completion_logprobs(
-                    self.tokenizer, token_ids, c.logprob_steps, plan.logprobs, 0
-                )
+                logprobs = completion_logprobs(self.tokenizer, token_ids, steps, plan.logprobs, 0)
             choices.append(
                 CompletionResponseChoice(
                     i,
@@ -1036,11 +1102,12 @@ class ChatResponder(_Responder):
                 message = ChatResponseMessage(plan.role, echo + text)
                 finish_reason = c.finish_reason or "stop"
             else:
-                reasoning, content, tool_calls, called = plan.parsers.message(i, text)
-                message = ChatResponseMessage(
-                    plan.role, content, tool_calls=tool_calls, reasoning=reasoning
+                reasoning, content, tool_calls, finish_reason = plan.parsers.message(
+                    i, text, c.finish_reason
                 )
-                finish_reason = "tool_calls" if called else c.finish_reason or "stop"
+                message = ChatResponseMessage(
+                    plan.role, content, tool_calls=tool_calls or UNSET, reasoning=reasoning
+                )
             choices.append(
                 ChatCompletionResponseChoice(
                     i,

@@ -55,6 +55,7 @@ async def run_openai_server(
     client_options: ClientOptions | None = None,
     lora_modules: Sequence[LoRAModulePath] = (),
     allow_runtime_lora_updating: bool | None = None,
+    trust_request_chat_template: bool = False,
     stop: anyio.Event | None = None,
     listen_fd: int | None = None,
     server_index: int | None = None,
@@ -74,10 +75,10 @@ async def run_openai_server(
     app once it listens (``app.port`` is the bound port). ``generation_config`` and
     ``override_generation_config`` are `open_llm`'s (vLLM's ``--generation-config`` and
     ``--override-generation-config``), ``client_options`` its `ClientOptions`;
-    ``merge_outputs``, ``lora_modules``, ``allow_runtime_lora_updating`` and
-    ``tool_options`` are `OpenAIServer`'s, ``http_server`` `serve_app`'s (the adapters
-    are loaded on the engines before the server listens; one that fails to load raises
-    ``ValueError``). With
+    ``merge_outputs``, ``lora_modules``, ``allow_runtime_lora_updating``,
+    ``trust_request_chat_template`` and ``tool_options`` are `OpenAIServer`'s,
+    ``http_server`` `serve_app`'s (the adapters are loaded on the engines before the
+    server listens; one that fails to load raises ``ValueError``). With
     ``freeze_gc`` the startup heap (imports, tokenizer, engines' handshake) is collected
     once and frozen (``gc.freeze()``) when the server listens, as ``vllm serve`` does:
     the collector then never walks it again while serving. The process keeps it frozen
@@ -165,6 +166,7 @@ async def run_openai_server(
                 tool_options=tool_options,
                 lora_modules=lora_modules,
                 allow_runtime_lora_updating=allow_runtime_lora_updating,
+                trust_request_chat_template=trust_request_chat_template,
                 supported_tasks=tasks,
             )
             await app.load_static_loras()

@@ -127,6 +127,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
 
 
 FieldSupport = Literal["implemented", "accepted", "refused"]
@@ -199,6 +200,7 @@ DECLARED_FIELDS["chat"].update(
     chat_template_kwargs="implemented",
     tools="implemented",
     tool_choice="implemented",
+    parallel_tool_calls="implemented",  # server/_tools.py: the grammar, then the calls kept
 )
 DECLARED_FIELDS["embedding"].update(
     # vLLM 0.32.0's EmbeddingCompletionRequest, every field
@@ -357,7 +359,8 @@ class ChatResponseMessage(Struct):
     annotations: None = None
     audio: None = None
     function_call: None = None
-    tool_calls: list[Any] = msgspec.field(default_factory=list)
+    # vLLM's ChatMessage serializer drops an empty tool_calls.
+    tool_calls: list[Any] | UnsetType = UNSET
     reasoning: str | None = None
 
 
@@ -389,9 +392,10 @@ class ChatCompletionResponse(Struct):
 
 
 class ChatDelta(Struct):
+    # None is sent as null: a parser set it (vLLM's exclude_unset keeps it).
     role: str | UnsetType = UNSET
-    content: str | UnsetType = UNSET
-    reasoning: str | UnsetType = UNSET
+    content: str | UnsetType | None = UNSET
+    reasoning: str | UnsetType | None = UNSET
     tool_calls: list[Any] | UnsetType = UNSET
 
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from ..protocol import StructuredOutputsParams
-from ._http import HTTPError
+from ._http import HTTPError, validation_error
 
 __all__ = ["REMOVED_GUIDED_FIELDS", "structured_outputs_for", "warn_removed_guided_fields"]
 
@@ -126,10 +126,10 @@ def structured_outputs_for(
             )
         rf_type = response_format.get("type")
         if rf_type == "json_schema" and response_format.get("json_schema") is None:
-            raise HTTPError(
+            raise validation_error(
                 "When response_format type is 'json_schema', the 'json_schema' field "
                 "must be provided.",
-                param="response_format",
+                "response_format",
             )
         if rf_type == "structural_tag":
             raise HTTPError(
@@ -147,11 +147,14 @@ def structured_outputs_for(
     if structured_outputs is not None:
         fields = _structured_outputs(structured_outputs)
         if sum(fields.get(k) is not None for k in ("json", "regex", "choice")) > 1:
-            raise HTTPError(
+            # vLLM's completion model names the parameter, its chat model does not.
+            message = (
                 "You can only use one kind of constraints for structured outputs "
-                "('json', 'regex' or 'choice').",
-                param=None if chat else "structured_outputs",
+                "('json', 'regex' or 'choice')."
             )
+            if chat:
+                raise HTTPError(message)
+            raise validation_error(message, "structured_outputs")
         constrained = any(fields.get(k) is not None for k in ("json", "regex", "choice"))
         if (
             chat

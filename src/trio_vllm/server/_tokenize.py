@@ -17,6 +17,7 @@ from msgspec import Struct
 from .._exceptions import InvalidRequestError
 from ._decode import decode_object, decode_struct, decode_value
 from ._http import HTTPError
+from ._openai import request_chat_template
 
 if TYPE_CHECKING:
     from ..text import Tokenizer
@@ -123,23 +124,30 @@ def _tokenizer(llm: TextFrontend) -> Tokenizer:
 
 
 def tokenize_response(
-    llm: TextFrontend, req: TokenizeCompletionRequest | TokenizeChatRequest
+    llm: TextFrontend,
+    req: TokenizeCompletionRequest | TokenizeChatRequest,
+    *,
+    trust_request_chat_template: bool = False,
 ) -> TokenizeResponse:
     """vLLM's ``create_tokenize``: `HTTPError` 400 for a conversation the template
-    refuses (the model name is the caller's to check)."""
+    refuses, or that brings its own template unless ``trust_request_chat_template``
+    (the model name is the caller's to check)."""
     from ..text import token_strs, tokenize, tokenize_chat
 
     tokenizer = _tokenizer(llm)
     try:
         if isinstance(req, TokenizeChatRequest):
+            chat_template, chat_template_kwargs = request_chat_template(
+                req.chat_template, req.chat_template_kwargs, trusted=trust_request_chat_template
+            )
             _, ids = tokenize_chat(
                 tokenizer,
                 req.messages,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 add_special_tokens=req.add_special_tokens,
-                chat_template=req.chat_template,
-                chat_template_kwargs=req.chat_template_kwargs,
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
                 tools=req.tools,
             )
         else:

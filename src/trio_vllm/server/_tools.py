@@ -7,9 +7,13 @@ chat template; parsers that need the model's markup tokens turn
 ``skip_special_tokens`` off, as their ``adjust_request`` does. Responses: each choice
 runs through a `ChatOutputParser` (the text layer's port of vLLM's serving-side
 parser): ``reasoning``, ``content`` and ``tool_calls`` of the message or of each
-streamed delta, finish reason ``tool_calls`` when the parser found calls.
-``tool_choice`` ``required`` and named need a JSON-schema structured output vLLM
-derives from the tools; trio-vllm serve refuses them with a 400 until it has one.
+streamed delta, finish reason ``tool_calls`` when the parser found calls (for
+``required`` too; a named tool's choice keeps the engine's reason, as in vLLM).
+``tool_choice`` ``required`` and named (and ``auto`` with a strict tool or
+``parallel_tool_calls: false``) constrain the output with the structured output vLLM
+derives from the tools (`trio_vllm.text.tools.tool_choice_constraint`: a structural
+tag for ``hermes``/``llama3_json``, a JSON schema for ``pythonic``);
+``parallel_tool_calls: false`` also keeps only the first call of a response.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from msgspec import UNSET
 
 from ..text.reasoning import REASONING_PARSERS, reasoning_parser_class
 from ..text.tools import TOOL_PARSERS, ChatOutputParser, make_tool_call_id, tool_parser_class
-from ._http import HTTPError
+from ._http import HTTPError, validation_error
 
 if TYPE_CHECKING:
     from ..text.tools import DeltaMessage, FunctionCall
@@ -28,6 +33,7 @@ if TYPE_CHECKING:
     from ._schemas import ChatCompletionRequest
 
 __all__ = [
+    "UNPORTED_TOOL_PARSERS",
     "ChoiceParsers",
     "ToolOptions",
     "check_tools",
@@ -35,6 +41,19 @@ __all__ = [
     "skip_special_tokens",
     "tool_choice_of",
 ]
+
+#: vLLM 0.32 tool parsers trio-vllm knows by name but has not ported, and why; with
+#: ``--enable-auto-tool-choice`` the server refuses to start with them (see
+#: `ToolOptions.check_tokenizer`).
+UNPORTED_TOOL_PARSERS: dict[str, str] = {
+    "mistral": (
+        "vLLM 0.32 builds it on mistral_common and its parser engine (a grammar from "
+        "mistral_common's tokenizer for v11+ models, an ijson event stream for older "
+        "ones); trio-vllm has not ported it"
+    ),
+}
+# The token vLLM's MistralParser looks up first (mistral_common's SpecialTokens).
+_MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
 
 _CORRECT_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
 
@@ -53,15 +72,54 @@ class ToolOptions(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+        known = TOOL_PARSERS.keys() | UNPORTED_TOOL_PARSERS.keys()
+        if self.tool_call_parser is not None and self.tool_call_parser not in known:
             raise ValueError(
                 f"invalid tool call parser: {self.tool_call_parser} "
-                f"(chose from {{ {', '.join(sorted(TOOL_PARSERS))} }})"
+                f"(chose from {{ {', '.join(sorted(known))} }})"
             )
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(
                 f"invalid reasoning parser: {self.reasoning_parser} "
                 f"(chose from {{ {', '.join(sorted(REASONING_PARSERS))} }})"
+            )
+
+    def check_tokenizer(self, tokenizer: TokenizerLike, model: str) -> None:
+        """vLLM's startup check (``ParserManager.validate_parser_tokenizer``): build
+        the active parsers once with the model's tokenizer; `ValueError` with vLLM's
+        message if one cannot work with it (a marker token missing), and for a parser
+        named in `UNPORTED_TOOL_PARSERS`."""
+        flags = []
+        active = self.active_tool_parser
+        if active is not None:
+            flags.append(f"--tool-call-parser {active}")
+        if self.reasoning_parser is not None:
+            flags.append(f"--reasoning-parser {self.reasoning_parser}")
+        error: Exception | None = None
+        if self.reasoning_parser is not None:  # vLLM's composed parser builds it first
+            try:
+                reasoning_parser_class(self.reasoning_parser)(tokenizer)
+            except RuntimeError as exc:
+                error = exc
+        if error is None and active is not None:
+            if active not in UNPORTED_TOOL_PARSERS:
+                try:
+                    tool_parser_class(active)(tokenizer, None)
+                except RuntimeError as exc:
+                    error = exc
+            elif tokenizer.token_to_id(_MISTRAL_TOOL_CALLS) is None:
+                # What vLLM's parser raises first for such a tokenizer.
+                error = RuntimeError(
+                    "Mistral parser could not locate the tool call token in the tokenizer!"
+                )
+            else:
+                raise ValueError(
+                    f"--tool-call-parser {active} is not supported by trio-vllm: "
+                    f"{UNPORTED_TOOL_PARSERS[active]}"
+                )
+        if error is not None:
+            raise ValueError(
+                f"{' and '.join(flags)} cannot be used with the tokenizer of {model!r}: {error}"
             )
 
     @property
@@ -85,49 +143,50 @@ def tool_choice_of(req: ChatCompletionRequest) -> str | dict[str, Any] | None:
 
 def check_tools(req: ChatCompletionRequest, options: ToolOptions) -> None:
     """vLLM's checks of ``tools`` and ``tool_choice`` (its protocol validator, then its
-    renderer), with its messages; `HTTPError` (400)."""
+    renderer), with its messages; `HTTPError` (400). The validator's errors name their
+    parameter, so their text ends with `` (parameter=...)`` as vLLM's does."""
     if req.tools == []:
-        raise HTTPError(
+        raise validation_error(
             "`tools` must not be an empty array. "
             "Either provide at least one tool or omit the field entirely.",
-            param="tools",
+            "tools",
         )
     choice = tool_choice_of(req)
     if choice is None or choice == "none":
         return
     if req.tools is None:
-        raise HTTPError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+        raise validation_error("When using `tool_choice`, `tools` must be set.", "tool_choice")
     if choice not in ("auto", "required") and not isinstance(choice, dict):
-        raise HTTPError(
+        raise validation_error(
             f"Invalid value for `tool_choice`: {choice}! "
             'Only named tools, "none", "auto" or "required" are supported.',
-            param="tool_choice",
+            "tool_choice",
         )
     if isinstance(choice, dict):
         function = choice.get("function")
         if not isinstance(function, dict):
-            raise HTTPError(
+            raise validation_error(
                 f"Invalid value for `function`: `{function}` in `tool_choice`! {_CORRECT_USAGE}",
-                param="tool_choice.function",
+                "tool_choice.function",
             )
         if "name" not in function:
-            raise HTTPError(
+            raise validation_error(
                 f"Expected field `name` in `function` in `tool_choice`! {_CORRECT_USAGE}",
-                param="tool_choice.function.name",
+                "tool_choice.function.name",
             )
         name = function["name"]
         if not isinstance(name, str) or not name:
-            raise HTTPError(
+            raise validation_error(
                 f"Invalid `name` in `function`: `{name}` in `tool_choice`! {_CORRECT_USAGE}",
-                param="tool_choice.function.name",
+                "tool_choice.function.name",
             )
         if not any(
             isinstance(t.get("function"), dict) and t["function"].get("name") == name
             for t in req.tools
         ):
-            raise HTTPError(
+            raise validation_error(
                 "The tool specified in `tool_choice` does not match any of the specified `tools`",
-                param="tool_choice",
+                "tool_choice",
             )
     # The renderer's checks (vLLM's messages; no param).
     if options.active_tool_parser is None:
@@ -143,19 +202,20 @@ def check_tools(req: ChatCompletionRequest, options: ToolOptions) -> None:
                 else (f'"{choice}"')
             )
             raise HTTPError(f"tool_choice={desc} requires --tool-call-parser to be set")
-    if choice == "required" or isinstance(choice, dict):
-        raise HTTPError(
-            "tool_choice required and named tools are not supported by trio-vllm serve yet "
-            "(they need a JSON-schema structured output).",
-            param="tool_choice",
-        )
 
 
 def skip_special_tokens(req: ChatCompletionRequest, options: ToolOptions, choice: object) -> bool:
     """The request's ``skip_special_tokens`` after the parsers' ``adjust_request``:
-    off for a tool parser when tools are used (markers may be special tokens), and
-    always for the engine-based ``qwen3`` reasoning parser."""
-    if options.active_tool_parser is not None and req.tools and choice != "none":
+    off for a tool parser that turns it off (``hermes``: its markers may be special
+    tokens) when tools are used, and always for the engine-based ``qwen3`` reasoning
+    parser."""
+    active = options.active_tool_parser
+    if (
+        active is not None
+        and tool_parser_class(active).keeps_special_tokens
+        and req.tools
+        and choice != "none"
+    ):
         return False
     if options.reasoning_parser == "qwen3":
         return False
@@ -181,6 +241,10 @@ class ChoiceParsers:
         except RuntimeError as exc:  # the model's vocabulary lacks the parser's markers
             raise HTTPError(str(exc)) from None
         self.tools_streamed = [False] * n
+        self.named = isinstance(choice, dict)
+        self.forced = self.named or choice == "required"
+        # vLLM's maybe_filter_parallel_tool_calls: only an explicit false keeps one call.
+        self.single_call = req.parallel_tool_calls is False
 
     def _build(
         self,
@@ -206,21 +270,35 @@ class ChoiceParsers:
                 ChatOutputParser(
                     reasoning,
                     tool,
-                    tool_choice=choice if isinstance(choice, str) or choice is None else None,
+                    tool_choice=choice,
                     enable_auto_tools=options.enable_auto_tool_choice,
                 )
             )
 
     def message(
-        self, i: int, text: str
-    ) -> tuple[str | None, str | None, list[dict[str, Any]], bool]:
-        """``(reasoning, content, tool_calls, auto_tools_called)`` of choice ``i``'s
-        complete text (vLLM's full-response branches for none/auto)."""
+        self, i: int, text: str, finish_reason: str | None
+    ) -> tuple[str | None, str | None, list[dict[str, Any]], str]:
+        """``(reasoning, content, tool_calls, finish_reason)`` of choice ``i``'s
+        complete text (vLLM's chat_completion_full_generator branches)."""
         reasoning, content, calls = self.parsers[i].parse(text)
-        auto = self.tool_choice in ("auto", None) and self.options.active_tool_parser is not None
-        if not auto or not calls:
-            return reasoning, content, [], False
-        return reasoning, content, [_tool_call(c) for c in calls], True
+        reason = finish_reason or "stop"
+        tools: list[dict[str, Any]] = []
+        if self.forced:
+            # vLLM: content "" rather than null, and every call the parser read.
+            content = content or ""
+            tools = [_tool_call(c) for c in calls or ()]
+            if self.tool_choice == "required" and finish_reason == "stop":
+                reason = "tool_calls"
+        elif (
+            self.tool_choice in ("auto", None)
+            and self.options.active_tool_parser is not None
+            and calls
+        ):
+            tools = [_tool_call(c) for c in calls]
+            reason = "tool_calls"
+        if self.single_call:
+            tools = tools[:1]
+        return reasoning, content, tools, reason
 
     def delta(
         self, i: int, text: str, token_ids: list[int], prompt_ids: list[int], finished: bool
@@ -229,11 +307,14 @@ class ChoiceParsers:
         message = self.parsers[i].parse_delta(text, token_ids, prompt_ids, finished=finished)
         if message is not None and message.tool_calls:
             self.tools_streamed[i] = True
+            if self.single_call:  # vLLM filters after counting the call as streamed
+                message.tool_calls = [c for c in message.tool_calls if c.index == 0]
         return message
 
     def finish_reason(self, i: int, reason: str | None) -> str:
-        """``tool_calls`` for a choice that streamed calls and stopped (vLLM)."""
-        if self.tools_streamed[i] and reason == "stop":
+        """``tool_calls`` for a choice that streamed calls and stopped, unless a named
+        tool was forced (vLLM)."""
+        if self.tools_streamed[i] and not self.named and reason == "stop":
             return "tool_calls"
         return reason or "stop"
 
@@ -247,13 +328,14 @@ def _tool_call(call: FunctionCall) -> dict[str, Any]:
 
 
 def delta_fields(message: DeltaMessage) -> dict[str, Any]:
-    """A parser delta as the JSON fields of a stream chunk's ``delta`` (set fields)."""
+    """A parser delta as the JSON fields of a stream chunk's ``delta``: the fields the
+    parser set, ``None`` ones included (vLLM's ``exclude_unset``)."""
     out: dict[str, Any] = {}
-    if message.role is not None:
+    if message.role is not UNSET:
         out["role"] = message.role
-    if message.content is not None:
+    if message.content is not UNSET:
         out["content"] = message.content
-    if message.reasoning is not None:
+    if message.reasoning is not UNSET:
         out["reasoning"] = message.reasoning
     if message.tool_calls:
         out["tool_calls"] = msgspec.to_builtins(message.tool_calls)

@@ -3,7 +3,8 @@
 ``adapter_config.json`` + ``adapter_model.safetensors``, as ``peft`` saves them and
 vLLM's ``--lora-modules`` / ``add_lora`` load them: ``lora_A`` (``r x in``) and
 ``lora_B`` (``out x r``) per target projection and layer, named
-``base_model.model.model.layers.<i>.self_attn.<proj>.lora_{A,B}.weight``. The
+``base_model.model.model.layers.<i>.<self_attn|mlp>.<proj>.lora_{A,B}.weight``, for all
+seven projections of a Llama layer (attention q/k/v/o, MLP gate/up/down). The
 safetensors file is written by hand (an 8-byte little-endian header length, the JSON
 header, the raw tensors), so no ``safetensors`` or ``torch`` is needed.
 """
@@ -19,7 +20,18 @@ if TYPE_CHECKING:
 
 __all__ = ["write_lora_adapter"]
 
-_TARGETS = ("q_proj", "v_proj")
+# Every projection of a Llama decoder layer, with its module: an adapter on q/v alone
+# does not change greedy tokens on a dummy-weight model (measured with stock vLLM), so
+# a parity test with it would prove nothing.
+_TARGETS = (
+    ("self_attn", "q_proj"),
+    ("self_attn", "k_proj"),
+    ("self_attn", "v_proj"),
+    ("self_attn", "o_proj"),
+    ("mlp", "gate_proj"),
+    ("mlp", "up_proj"),
+    ("mlp", "down_proj"),
+)
 
 
 def write_lora_adapter(
@@ -43,14 +55,26 @@ def write_lora_adapter(
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads", heads))
     head_dim = int(config.get("head_dim", hidden // heads))
-    out_dims = {"q_proj": heads * head_dim, "v_proj": kv_heads * head_dim}
+    inter = int(config["intermediate_size"])
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    # (in, out) of each projection
+    dims = {
+        "q_proj": (hidden, q_dim),
+        "k_proj": (hidden, kv_dim),
+        "v_proj": (hidden, kv_dim),
+        "o_proj": (q_dim, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
     rng = np.random.default_rng(seed)
     tensors: dict[str, Any] = {}
     for layer in range(int(config["num_hidden_layers"])):
-        for proj in _TARGETS:
-            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
-            tensors[f"{prefix}.lora_A.weight"] = rng.standard_normal((rank, hidden)) * scale
-            tensors[f"{prefix}.lora_B.weight"] = rng.standard_normal((out_dims[proj], rank)) * scale
+        for module, proj in _TARGETS:
+            fan_in, fan_out = dims[proj]
+            prefix = f"base_model.model.model.layers.{layer}.{module}.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = rng.standard_normal((rank, fan_in)) * scale
+            tensors[f"{prefix}.lora_B.weight"] = rng.standard_normal((fan_out, rank)) * scale
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     _write_safetensors(out / "adapter_model.safetensors", tensors)
@@ -61,7 +85,7 @@ def write_lora_adapter(
         "r": rank,
         "lora_alpha": alpha,
         "lora_dropout": 0.0,
-        "target_modules": list(_TARGETS),
+        "target_modules": [proj for _, proj in _TARGETS],
         "bias": "none",
         "fan_in_fan_out": False,
         "modules_to_save": None,

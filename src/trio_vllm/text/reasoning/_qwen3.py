@@ -168,7 +168,13 @@ class Qwen3ReasoningParser(ReasoningParser):
                 self._deferred_content, content = content, ""
         reasoning = "".join(reasoning_parts)
         if content or reasoning:
-            return DeltaMessage(content=content or None, reasoning=reasoning or None)
+            # vLLM's engine passes only the fields it has (the others stay unset).
+            message = DeltaMessage()
+            if content:
+                message.content = content
+            if reasoning:
+                message.reasoning = reasoning
+            return message
         return None
 
     # -- the parser interface -------------------------------------------------------------

@@ -12,6 +12,8 @@ from __future__ import annotations
 from ._base import TokenLookup as TokenLookup
 from ._base import ToolParser as ToolParser
 from ._chat_parser import ChatOutputParser as ChatOutputParser
+from ._constraints import STRUCTURAL_TAG_MODELS as STRUCTURAL_TAG_MODELS
+from ._constraints import tool_choice_constraint as tool_choice_constraint
 from ._hermes import HermesToolParser as HermesToolParser
 from ._llama import Llama3JsonToolParser as Llama3JsonToolParser
 from ._pythonic import PythonicToolParser as PythonicToolParser
@@ -41,6 +43,7 @@ def tool_parser_class(name: str) -> type[ToolParser]:
 
 
 __all__ = [
+    "STRUCTURAL_TAG_MODELS",
     "TOOL_PARSERS",
     "ChatOutputParser",
     "DeltaFunctionCall",
@@ -55,5 +58,6 @@ __all__ = [
     "ToolCall",
     "ToolParser",
     "make_tool_call_id",
+    "tool_choice_constraint",
     "tool_parser_class",
 ]

@@ -31,9 +31,21 @@ class ToolParser:
 
     ``supports_required_and_named``: the server may parse ``tool_choice`` required and
     named outputs as the JSON array a tool-derived schema forces (vLLM's flag).
+    ``structural_tag_model``: the structural-tag format that constrains this parser's
+    calls for required/named choices (vLLM's; then, as vLLM with its default
+    ``VLLM_ENFORCE_STRICT_TOOL_CALLING``, those outputs are parsed as ``auto``'s and
+    ``supports_required_and_named`` is false). ``keeps_special_tokens``: the parser's
+    ``adjust_request`` turns ``skip_special_tokens`` off when tools are used.
     """
 
     supports_required_and_named: bool = True
+    structural_tag_model: str | None = None
+    keeps_special_tokens: bool = False
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.structural_tag_model is not None:
+            cls.supports_required_and_named = False
 
     def __init__(
         self, tokenizer: TokenLookup, tools: Sequence[Mapping[str, object]] | None = None

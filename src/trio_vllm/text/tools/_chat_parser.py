@@ -4,16 +4,22 @@ serving layer runs them (``vllm.parser.abstract_parser.DelegatingParser``).
 Non-streaming: `ChatOutputParser.parse` splits the text into reasoning, content and
 tool calls. Streaming: `ChatOutputParser.parse_delta` is fed every delta of the choice
 and returns what to send; reasoning comes first, then (once it ended) the tool parser
-sees the text after it. ``tool_choice`` here is ``"auto"`` or ``"none"``; required and
-named choices are the server's to refuse until a JSON-schema structured output backs
-them. Sans-I/O: no exceptions escape for bad model output.
+sees the text after it. ``tool_choice`` is ``"auto"``, ``"none"``, ``"required"`` or a
+named tool (``{"type": "function", "function": {"name": ...}}``): for the last two a
+parser that ``supports_required_and_named`` reads the output the tool-derived JSON
+schema forced (a named tool's arguments; an array of ``{"name", "parameters"}``), any
+other parser (one constrained by a structural tag) reads it as ``auto`` does. Sans-I/O:
+no exceptions escape for bad model output.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from ._types import DeltaMessage, FunctionCall
+from ._required import required_tool_call_delta
+from ._types import DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, make_tool_call_id
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -32,7 +38,7 @@ class ChatOutputParser:
         reasoning_parser: ReasoningParser | None,
         tool_parser: ToolParser | None,
         *,
-        tool_choice: str | None,
+        tool_choice: str | Mapping[str, Any] | None,
         enable_auto_tools: bool,
         include_reasoning: bool = True,
     ) -> None:
@@ -52,6 +58,20 @@ class ChatOutputParser:
         self._reasoning_ended = False
         self._prompt_checked = False
         self._tool_text_started = False
+        self._function_name_returned = False
+        function = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
+        self._named: str | None = (
+            str(function.get("name")) if isinstance(function, Mapping) else None
+        )
+        supports = tool_parser is not None and tool_parser.supports_required_and_named
+        # vLLM's _extract_tool_calls: which reading of the output applies.
+        self._parse_named = supports and self._named is not None
+        self._parse_required = supports and tool_choice == "required"
+        forced = self._named is not None or tool_choice == "required"
+        self._forced = forced
+        self._parse_auto = enable_auto_tools and (
+            tool_choice in ("auto", None) or (not supports and forced)
+        )
 
     # -- non-streaming -----------------------------------------------------------------
 
@@ -73,10 +93,19 @@ class ChatOutputParser:
         parser = self.tool_parser
         if parser is None or self.tool_choice == "none":
             return [], content
-        if not (self.enable_auto_tools and self.tool_choice in ("auto", None)):
+        if self._parse_named:
+            if content is None or not content.strip():
+                return [], None
+            assert self._named is not None
+            return [FunctionCall(name=self._named, arguments=content)], None
+        if self._parse_required:
+            return _required_calls(content or ""), None
+        if not self._parse_auto:
             return [], content
         info = parser.extract_tool_calls(content if content is not None else "")
         if not info.tools_called:
+            if self._forced and (content is None or not content.strip()):
+                return [], None
             return None, content
         calls = [c.function for c in info.tool_calls]
         content = info.content
@@ -179,6 +208,23 @@ class ChatOutputParser:
         assert self.tool_parser is not None
         if self.tool_choice == "none":
             return DeltaMessage(content=delta_text) if delta_text else None
+        if self._parse_named:
+            # vLLM's extract_named_tool_call_streaming: every delta is argument text,
+            # the first one with the call's id and name.
+            assert self._named is not None
+            if self._function_name_returned:
+                call = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta_text))
+            else:
+                self._function_name_returned = True
+                call = DeltaToolCall(
+                    id=make_tool_call_id(),
+                    type="function",
+                    index=0,
+                    function=DeltaFunctionCall(name=self._named, arguments=delta_text),
+                )
+            return DeltaMessage(tool_calls=[call])
+        if self._parse_required:
+            return required_tool_call_delta(self._previous_text, current_text)
         return self.tool_parser.extract_tool_calls_streaming(
             self._previous_text,
             current_text,
@@ -194,7 +240,7 @@ class ChatOutputParser:
             self.tool_parser is not None
             and message is not None
             and message.tool_calls
-            and (last := message.tool_calls[-1]).function is not None
+            and (last := message.tool_calls[-1]).function  # vLLM: set, not None
         ):
             last.function.arguments = (
                 last.function.arguments or ""
@@ -212,3 +258,39 @@ class ChatOutputParser:
                     if flush.reasoning:
                         message.reasoning = (message.reasoning or "") + flush.reasoning
         return message
+
+
+def _bool_like(value: object) -> bool:
+    # pydantic's lax bool (JSON input): true/false, 0/1, and its words.
+    if value is None or isinstance(value, bool):
+        return True
+    if isinstance(value, (int, float)):
+        return value in (0, 1)
+    return isinstance(value, str) and value.lower() in _BOOL_WORDS
+
+
+_BOOL_WORDS = frozenset({"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"})
+
+
+def _required_calls(content: str) -> list[FunctionCall]:
+    """vLLM's ``TypeAdapter(list[FunctionDefinition]).validate_json``: the calls of a
+    JSON array of ``{"name", "parameters"}`` objects; ``[]`` when it does not validate."""
+    try:
+        items = json.loads(content)
+    except ValueError:
+        return []
+    if not isinstance(items, list):
+        return []
+    calls: list[FunctionCall] = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return []
+        if not isinstance(item.get("description"), (str, type(None))):
+            return []
+        if not isinstance(item.get("parameters"), (dict, type(None))):
+            return []
+        if not (_bool_like(item.get("strict")) and _bool_like(item.get("defer_loading"))):
+            return []
+        arguments = json.dumps(item.get("parameters"), ensure_ascii=False)
+        calls.append(FunctionCall(name=item["name"], arguments=arguments))
+    return calls

@@ -33,6 +33,9 @@ class HermesToolParser(ToolParser):
     format). The server renders with ``skip_special_tokens=False`` for it, as vLLM does,
     since some models mark ``<tool_call>`` special."""
 
+    structural_tag_model = "hermes"
+    keeps_special_tokens = True
+
     tool_call_start_token = "<tool_call>"
     tool_call_end_token = "</tool_call>"
     tool_call_regex = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)

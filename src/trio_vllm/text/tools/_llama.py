@@ -41,6 +41,8 @@ class Llama3JsonToolParser(ToolParser):
     Raises `RuntimeError` when the tokenizer has no ``<|python_tag|>`` token, as vLLM
     does. Streaming needs partial-json-parser (the ``tools`` extra)."""
 
+    structural_tag_model = "llama"
+
     bot_token = "<|python_tag|>"
     _start_regex = re.compile(r"\{")
     _decoder = json.JSONDecoder()

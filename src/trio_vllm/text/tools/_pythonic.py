@@ -89,7 +89,7 @@ class PythonicToolParser(ToolParser):
                 )
                 if delta is not None:
                     tool_deltas.append(delta)
-                    if delta.function is not None and delta.function.arguments is not None:
+                    if delta.function and isinstance(delta.function.arguments, str):
                         self.streamed_args_for_tool[index] += delta.function.arguments
             # As vLLM: a placeholder so the server's end-of-stream check sees a call
             # (finish_reason tool_calls) without "completing" arguments.

@@ -4,8 +4,11 @@
 (a streamed piece of one), ``DeltaMessage`` (one streamed chat delta: ``content``,
 ``reasoning``, ``tool_calls``) and ``ExtractedToolCalls`` (vLLM's
 ``ExtractedToolCallInformation``). Field names and defaults are vLLM's, so the server
-encodes them as ``vllm serve`` does (``None`` fields left out, an empty ``tool_calls``
-dropped).
+encodes them as ``vllm serve`` does. vLLM sends a stream chunk with
+``exclude_unset=True``: a delta field a parser never set is left out, one it set to
+``None`` goes out as ``null``. The delta structs keep that difference: their optional
+fields default to ``msgspec.UNSET`` (left out) and the parsers pass ``None`` exactly
+where vLLM's do; an empty ``tool_calls`` is dropped, as vLLM's serializer drops it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from .._input import random_uuid
 
@@ -48,28 +52,30 @@ class ToolCall(msgspec.Struct):
 
 
 class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
-    """A streamed piece of a call: the name (once, whole) and/or more argument text."""
+    """A streamed piece of a call: the name (once, whole) and/or more argument text
+    (``UNSET``: not set, left out of the JSON; ``None``: set to ``null``)."""
 
-    name: str | None = None
-    arguments: str | None = None
+    name: str | UnsetType | None = UNSET
+    arguments: str | UnsetType | None = UNSET
 
 
 class DeltaToolCall(msgspec.Struct, omit_defaults=True, kw_only=True):
     """A streamed piece of the tool call at ``index``; ``id`` and ``type`` come with
     its first piece. (Fields in vLLM's order, so the JSON reads the same.)"""
 
-    id: str | None = None
-    type: Literal["function"] | None = None
+    id: str | UnsetType | None = UNSET
+    type: Literal["function"] | UnsetType | None = UNSET
     index: int
-    function: DeltaFunctionCall | None = None
+    function: DeltaFunctionCall | UnsetType | None = UNSET
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
-    """One streamed chat delta (vLLM's ``DeltaMessage``)."""
+    """One streamed chat delta (vLLM's ``DeltaMessage``); ``UNSET`` fields are left
+    out of the chunk, ``None`` ones are sent as ``null`` (vLLM's ``exclude_unset``)."""
 
-    role: str | None = None
-    content: str | None = None
-    reasoning: str | None = None
+    role: str | UnsetType | None = UNSET
+    content: str | UnsetType | None = UNSET
+    reasoning: str | UnsetType | None = UNSET
     tool_calls: list[DeltaToolCall] = msgspec.field(default_factory=list)
 
 

@@ -231,4 +231,9 @@ def compute_tool_delta(
             function=DeltaFunctionCall(name=new_call.function.name, arguments=new_args),
         )
     diff = new_args[len(previously_sent_args) :]
-    return DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=diff)) if diff else None
+    # vLLM passes id=None here: the chunk carries "id": null
+    return (
+        DeltaToolCall(id=None, index=index, function=DeltaFunctionCall(arguments=diff))
+        if diff
+        else None
+    )
