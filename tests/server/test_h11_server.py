@@ -51,6 +51,13 @@ class _App:
         path = scope["path"]
         if path == "/boom":
             raise RuntimeError("boom")
+        if path == "/twice":  # sends after the response's end: ignored
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"a", "more_body": True})
+            await send({"type": "http.response.body", "body": b"b"})
+            await send({"type": "http.response.body", "body": b"c", "more_body": True})
+            await send({"type": "http.response.body", "body": b"d"})
+            return
         if path == "/ignore":
             await send({"type": "http.response.start", "status": 404, "headers": []})
             await send({"type": "http.response.body", "body": b"nope"})
@@ -308,3 +315,29 @@ async def test_both_servers_answer_the_same(http_server: str) -> None:
         stop.set()
     assert (status, headers["transfer-encoding"], body) == (200, "chunked", b"abcd")
     assert (status2, headers2["x-query"], body2) == (200, "x=y", b"payload")
+
+
+async def test_head_gets_the_head_only_and_the_connection_goes_on() -> None:
+    async with serving(_App()) as (port, _, _):
+        stream = await _open(port)
+        one = b"HEAD /ignore HTTP/1.1\r\nhost: x\r\n\r\n"
+        two = b"GET /after HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        await stream.send_all(one + two)
+        data = await _read_until_closed(stream)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 404 Not Found")
+    assert b"content-length: 4" in head
+    assert rest.startswith(b"HTTP/1.1 200 OK")  # no body bytes after the HEAD answer
+    assert b"x-path: /after" in rest
+
+
+async def test_sends_after_the_end_of_a_stream_are_ignored() -> None:
+    async with serving(_App()) as (port, _, _):
+        stream = await _open(port)
+        one = b"GET /twice HTTP/1.1\r\nhost: x\r\n\r\n"
+        two = b"GET /after HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        await stream.send_all(one + two)
+        data = await _read_until_closed(stream)
+    rest = data.partition(b"\r\n\r\n")[2]
+    assert rest.startswith(b"1\r\na\r\n1\r\nb\r\n0\r\n\r\nHTTP/1.1 200 OK")
+    assert b"x-path: /after" in rest

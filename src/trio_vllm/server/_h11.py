@@ -334,6 +334,7 @@ class _Exchange:
         "chunked",
         "complete",
         "conn",
+        "head_only",
         "head_sent",
         "headers",
         "last",
@@ -369,6 +370,7 @@ class _Exchange:
         self.chunked = False
         self.complete = False
         self.request_done = False
+        self.head_only = request.method == b"HEAD"  # h11 sends no body bytes for it
 
     async def receive(self) -> dict[str, Any]:
         """The request body, then ``http.disconnect`` once the client goes away (or
@@ -400,11 +402,11 @@ class _Exchange:
         # h11) whatever it sends meanwhile, up to _MAX_AHEAD bytes.
         ahead = 0
         while not (self.complete or conn.broken):
-            if ahead > _MAX_AHEAD:
-                await trio.sleep_forever()  # the app's watcher: cancelled when done
             with trio.CancelScope() as scope:
-                conn.reader_scope = scope
+                conn.reader_scope = scope  # a failed send cancels it: the client is gone
                 try:
+                    if ahead > _MAX_AHEAD:  # read no more; a failed send still wakes us
+                        await trio.sleep_forever()
                     got = await conn.read_more()
                     if not got:
                         break
@@ -423,9 +425,11 @@ class _Exchange:
             body = message.get("body", b"")
             more = message.get("more_body", False)
             if self.chunked:  # the hot path: an SSE chunk
-                if more:
+                if more and not self.complete:
                     if body:
                         await conn.send_all(b"%x\r\n%b\r\n" % (len(body), body))
+                    return
+                if self.complete:
                     return
                 self.complete = True
                 data = conn.h11.send(h11.EndOfMessage())
@@ -437,11 +441,11 @@ class _Exchange:
             if not self.head_sent:
                 self.head_sent = True
                 headers = self.headers
-                if more:
+                if more and not self.head_only:
                     if h.their_http_version == b"1.1":
                         headers.append((b"transfer-encoding", b"chunked"))
                         self.chunked = True
-                else:
+                elif not more:
                     headers.append((b"content-length", str(len(body)).encode()))
                 if self.last or conn.server.closing:
                     headers.append((b"connection", b"close"))
@@ -468,7 +472,7 @@ class _Exchange:
                 data = head
             else:
                 data = b""
-            if body:
+            if body and not self.head_only:
                 data += h.send(h11.Data(data=body)) or b""
             if not more:
                 self.complete = True
