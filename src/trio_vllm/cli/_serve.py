@@ -287,7 +287,8 @@ def run(args: argparse.Namespace) -> int:
     prog = "trio-vllm serve"
     import importlib.util
 
-    missing = [m for m in ("hypercorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    needed = ("hypercorn", "h11", "prometheus_client")
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
         sys.stderr.write(
             f"{prog}: error: needs {' and '.join(missing)}: pip install 'trio-vllm[serve]'\n"
