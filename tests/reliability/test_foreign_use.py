@@ -25,7 +25,7 @@ import anyio.to_thread
 import pytest
 import trio
 
-from trio_vllm import EngineCoreClient, LoRARequest, make_request
+from trio_vllm import EngineCoreClient, LoRARequest, make_pooling_request, make_request
 from trio_vllm.client._utilities import NamedUtility
 from trio_vllm.protocol import UtilityCall
 
@@ -54,6 +54,7 @@ CALLS: dict[str, Callable[[EngineCoreClient], Awaitable[Any]]] = {
     "get_output_nowait": _nowait,
     "abort_requests": lambda c: c.abort_requests(["x"]),
     "generate": _generate,
+    "encode": lambda c: c.encode(make_pooling_request([1, 2], request_id="e")),
     "call_utility": lambda c: c.call_utility("echo", 1),
     "call_utility_all": lambda c: c.call_utility_all("echo", 1),
     "retire_rank": lambda c: c.retire_rank(0),
