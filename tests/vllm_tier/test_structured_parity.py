@@ -31,12 +31,11 @@ from trio_vllm.protocol import StructuredOutputsParams
 from trio_vllm.protocol.structured import resolve_structured_outputs
 from trio_vllm.sync import SyncClient
 
-from ._servers import SERVED, serve_pair
+from ._servers import SERVED, serve_pair, vllm_lock
 from .conftest import ENGINE_ARGS, ENGINE_ENV, EXPECTED_GREEDY, TINY_MODEL, vllm_python
 from .llm_reference import request_output_json
 from .test_serve_parity import _summary
 from .test_text_frontend_parity import _json, _vllm_side
-from .test_tokens_parity import vllm_lock
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
