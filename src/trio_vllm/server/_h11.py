@@ -206,6 +206,8 @@ class _Connection:
                 # once do not yield, and a client pipelining requests must not hold
                 # the loop.
                 await trio.lowlevel.checkpoint()
+                if server.closing:  # shutdown began during that pass
+                    return
                 server.idle.add(self)
                 self.idle_scope = trio.CancelScope(
                     deadline=trio.current_time() + server.keep_alive_timeout
