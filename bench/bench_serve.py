@@ -50,6 +50,9 @@ trio/vllm and trio/vllm-rs.
 ``--api-server-count 2``: two API-server processes on the frontend's core(s)
 (``--frontend-cores``, default 0), for N = 1 against N = 2 of each in one run.
 
+``trio-hypercorn`` (opt-in in ``--servers``) is ``trio-vllm serve --http-server
+hypercorn``: hypercorn's trio worker instead of the default h11 server.
+
 ``trio-merge`` (opt-in in ``--servers``) is ``trio-vllm serve --merge-outputs``: what a
 busy connection piled up goes out as one SSE event, as vLLM's API server sends it.
 ``--baseline REV`` adds ``trio-base``: ``trio-vllm serve`` from that revision's
@@ -129,6 +132,18 @@ def _tree_cpu(pid: int, exclude: set[int]) -> float:
     return total
 
 
+def _hold_lock(path: Path) -> Any:
+    """An open file holding ``path``'s exclusive fcntl lock (closing it releases it).
+    Taken in this process, not with flock(1) around the server: a server stopped with
+    SIGTERM must not be the lock's holder."""
+    import fcntl
+
+    f = open(path, "a")  # noqa: SIM115
+    sys.stderr.write(f"waiting for {path}\n")
+    fcntl.flock(f, fcntl.LOCK_EX)
+    return f
+
+
 def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float = 900) -> None:
     import httpx
 
@@ -159,6 +174,7 @@ def _frontend_command(
             "--served-model-name", SERVED, "--port", str(port),
             "--connect", f"tcp://127.0.0.1:{rpc_port}", "--engines", "1",
             "--ready-timeout", "900", *(["--merge-outputs"] if name == "trio-merge" else []),
+            *(["--http-server", "hypercorn"] if name == "trio-hypercorn" else []),
             *servers,
         ]  # fmt: skip
     # vLLM's frontends build their config from the engine arguments: the same as the
@@ -280,6 +296,7 @@ def _bench(
     itls = data.get("itls") or []
     completed = data["completed"]
     chunks = [len(x) + 1 for x in itls if x is not None]
+    waves = _ttft_waves(data, concurrency)
     return {
         "completed": completed,
         "failed": data.get("failed", 0),
@@ -292,6 +309,31 @@ def _bench(
         # includes the bench client's warm-up request (one per run)
         "cpu_s_per_req": cpu / max(completed, 1),
         "chunks_per_req": sum(chunks) / len(chunks) if chunks else None,
+        "ttft_p99_over_p50": data["p99_ttft_ms"] / max(data["median_ttft_ms"], 1e-9),
+        **waves,
+    }
+
+
+def _ttft_waves(data: dict[str, Any], concurrency: int) -> dict[str, Any]:
+    """TTFT of the first wave (the first ``concurrency`` requests sent, which all arrive
+    at once) apart from the rest (each sent as one finishes): where the p99 comes from."""
+    starts = data.get("start_times") or []
+    ttfts = data.get("ttfts") or []
+    pairs = sorted((s, t) for s, t in zip(starts, ttfts, strict=False) if t)
+    if len(pairs) <= concurrency or concurrency < 2:
+        return {}
+
+    def pct(values: list[float], q: float) -> float:
+        values = sorted(values)
+        return values[min(len(values) - 1, int(q * len(values)))] * 1000
+
+    first = [t for _, t in pairs[:concurrency]]
+    rest = [t for _, t in pairs[concurrency:]]
+    return {
+        "ttft_first_wave_p50_ms": pct(first, 0.5),
+        "ttft_first_wave_p99_ms": pct(first, 0.99),
+        "ttft_rest_p50_ms": pct(rest, 0.5),
+        "ttft_rest_p99_ms": pct(rest, 0.99),
     }
 
 
@@ -315,6 +357,10 @@ def main() -> int:
                         help="taskset list for the frontend(s) (default 0); the engine "
                              "and the client get the others")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--vllm-lock", type=Path,
+                        help="hold this file's fcntl lock while a stock vLLM process "
+                             "(vLLM's frontends; every stock engine) runs: one at a time "
+                             "on a shared machine")  # fmt: skip
     parser.add_argument("--setting", choices=("frontend-bound", "stock-engine"),
                         default="frontend-bound",
                         help="the headless engine of every frontend: our reference "
@@ -363,6 +409,8 @@ def main() -> int:
             capture_output=True, text=True, check=False,
         ).stdout.strip()  # fmt: skip
         for server in list(servers):
+            stock = server.startswith("vllm") or args.setting == "stock-engine"
+            lock = _hold_lock(args.vllm_lock) if stock and args.vllm_lock else None
             try:
                 setting = _Setting(
                     server, args.vllm_python, args.rs_path, outdir,
@@ -374,6 +422,8 @@ def main() -> int:
                 sys.stderr.write((outdir / f"{server}.log").read_text()[-3000:])
                 results["runs"][f"{server}/failed"] = str(exc)
                 servers.remove(server)
+                if lock is not None:
+                    lock.close()
                 continue
             try:
                 for backend in backends:
@@ -384,6 +434,8 @@ def main() -> int:
                         print(server, backend, c, json.dumps(r), flush=True)
             finally:
                 setting.close()
+                if lock is not None:
+                    lock.close()  # releases the lock (the servers are reaped)
                 sys.stderr.write((outdir / f"{server}.log").read_text()[-3000:])
     results["load_avg_end"] = os.getloadavg()
     print(_table(results, servers, backends, concurrencies))

@@ -1,5 +1,6 @@
-"""Micro-benchmark: what one SSE chunk costs the server through hypercorn's trio worker,
-against a raw trio socket send of the same bytes, in the same run.
+"""Micro-benchmark: what one SSE chunk costs the server through each HTTP layer
+(hypercorn's trio worker, trio-vllm's h11 server) against a raw trio socket send of the
+same bytes, in the same run.
 
 A client process (plain blocking socket, its own process) reads as fast as it can; the
 server sends ``--events`` copies of a typical ``/v1/completions`` token event
@@ -9,6 +10,8 @@ and ``time.perf_counter``. Cases:
 * ``hypercorn``: an ASGI app, one ``http.response.body`` per event (``more_body``) through
   ``trio_vllm.server.serve_app`` (hypercorn, h11, chunked framing);
 * ``hypercorn x64``: the same app, 64 events per ``http.response.body`` (per event);
+* ``h11``, ``h11 x64``: the same app on ``serve_app(http_server="h11")``, the default
+  of ``trio-vllm serve`` on trio (``server/_h11.py``);
 * ``raw trio``: ``trio.SocketStream.send_all`` of each event with the same chunked
   framing hypercorn writes (the floor of "one send per token" on trio);
 * ``raw trio x64``: 64 framed events per ``send_all`` (per event).
@@ -64,7 +67,7 @@ def _client(port: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", CLIENT, str(port)])
 
 
-async def _hypercorn_case(events: int, per_send: int) -> tuple[float, float]:
+async def _asgi_case(events: int, per_send: int, server: str) -> tuple[float, float]:
     from trio_vllm.server import serve_app
 
     result: dict[str, float] = {}
@@ -91,7 +94,14 @@ async def _hypercorn_case(events: int, per_send: int) -> tuple[float, float]:
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         port = await nursery.start(
-            partial(serve_app, app, port=0, shutdown_trigger=stop.wait, graceful_timeout=1)
+            partial(
+                serve_app,
+                app,
+                port=0,
+                shutdown_trigger=stop.wait,
+                graceful_timeout=1,
+                http_server=server,
+            )  # type: ignore[arg-type]
         )
         proc = _client(port)
         await done.wait()
@@ -129,8 +139,10 @@ async def _raw_case(events: int, per_send: int) -> tuple[float, float]:
 
 
 CASES = {
-    "hypercorn": partial(_hypercorn_case, per_send=1),
-    f"hypercorn x{BATCH}": partial(_hypercorn_case, per_send=BATCH),
+    "hypercorn": partial(_asgi_case, per_send=1, server="hypercorn"),
+    f"hypercorn x{BATCH}": partial(_asgi_case, per_send=BATCH, server="hypercorn"),
+    "h11": partial(_asgi_case, per_send=1, server="h11"),
+    f"h11 x{BATCH}": partial(_asgi_case, per_send=BATCH, server="h11"),
     "raw trio": partial(_raw_case, per_send=1),
     f"raw trio x{BATCH}": partial(_raw_case, per_send=BATCH),
 }

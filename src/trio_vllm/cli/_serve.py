@@ -115,7 +115,14 @@ def add_parser(commands: Any) -> None:
         help="streaming: send the tokens that piled up while a connection was busy as one "
         "SSE event, as vllm serve does (default: one event per engine output)",
     )
-    h.add_argument("--access-log", action="store_true", help="log every request (hypercorn)")
+    h.add_argument("--access-log", action="store_true", help="log every request")
+    h.add_argument(
+        "--http-server",
+        choices=("h11", "hypercorn"),
+        default="h11",
+        help="the HTTP/1.1 server: h11 (default; this package's, on h11 over trio "
+        "sockets) or hypercorn (hypercorn's trio worker)",
+    )
     t = p.add_argument_group("tool calling and reasoning (as vllm serve)")
     t.add_argument(
         "--enable-auto-tool-choice",
@@ -280,7 +287,8 @@ def run(args: argparse.Namespace) -> int:
     prog = "trio-vllm serve"
     import importlib.util
 
-    missing = [m for m in ("hypercorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    needed = ("hypercorn", "h11", "prometheus_client")
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
         sys.stderr.write(
             f"{prog}: error: needs {' and '.join(missing)}: pip install 'trio-vllm[serve]'\n"
@@ -356,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
                 tool_options=tool_options,
                 freeze_gc=True,
                 access_log=args.access_log,
+                http_server=args.http_server,
                 generation_config=args.generation_config,
                 override_generation_config=args.override_generation_config,
                 client_options=options,

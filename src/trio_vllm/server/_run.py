@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._app import DEFAULT_MAX_BODY_BYTES, OpenAIServer
-from ._serve import DEFAULT_SHUTDOWN_GRACE, serve_app
+from ._serve import DEFAULT_SHUTDOWN_GRACE, HTTPServerName, serve_app
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -49,6 +49,7 @@ async def run_openai_server(
     freeze_gc: bool = False,
     handle_signals: bool = True,
     access_log: bool = False,
+    http_server: HTTPServerName = "auto",
     generation_config: str | os.PathLike[str] = "auto",
     override_generation_config: Mapping[str, object] | None = None,
     client_options: ClientOptions | None = None,
@@ -75,9 +76,9 @@ async def run_openai_server(
     ``override_generation_config`` are `open_llm`'s (vLLM's ``--generation-config`` and
     ``--override-generation-config``), ``client_options`` its `ClientOptions`;
     ``merge_outputs``, ``lora_modules``, ``allow_runtime_lora_updating``,
-    ``trust_request_chat_template`` and ``tool_options`` are
-    `OpenAIServer`'s (the adapters are loaded on the engines before the server
-    listens; one that fails to load raises ``ValueError``). With
+    ``trust_request_chat_template`` and ``tool_options`` are `OpenAIServer`'s,
+    ``http_server`` `serve_app`'s (the adapters are loaded on the engines before the
+    server listens; one that fails to load raises ``ValueError``). With
     ``freeze_gc`` the startup heap (imports, tokenizer, engines' handshake) is collected
     once and frozen (``gc.freeze()``) when the server listens, as ``vllm serve`` does:
     the collector then never walks it again while serving. The process keeps it frozen
@@ -202,6 +203,7 @@ async def run_openai_server(
                         # and [DONE]); hypercorn's own cut comes only after that.
                         graceful_timeout=shutdown_grace + _DRAIN_MARGIN,
                         access_log=access_log,
+                        http_server=http_server,
                         task_status=task_status,
                     )
                 finally:

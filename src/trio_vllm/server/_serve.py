@@ -1,8 +1,10 @@
-"""Serving the app: hypercorn on trio (or asyncio), and the whole ``trio-vllm serve`` run.
+"""Serving the app: our h11 server on trio (or hypercorn), and hypercorn on asyncio.
 
 `serve_app` binds the listening socket itself (so port 0 works and the bound port
-is reported through ``task_status`` on both backends) and hands it to hypercorn's trio
-worker, or to its asyncio worker when running under asyncio. `run_openai_server`
+is reported through ``task_status`` on both backends) and hands it to the HTTP server:
+on trio `serve_h11` (``_h11.py``, the default: the streaming hot path without
+hypercorn's per-send stack) or hypercorn's trio worker (``http_server="hypercorn"``),
+on asyncio hypercorn's asyncio worker. `run_openai_server`
 is the command's body: engines + text frontend + app + signals + death policy.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import anyio
 
@@ -20,7 +22,10 @@ if TYPE_CHECKING:
     from anyio.abc import TaskStatus
 
 
-__all__ = ["DEFAULT_SHUTDOWN_GRACE", "serve_app"]
+__all__ = ["DEFAULT_SHUTDOWN_GRACE", "HTTPServerName", "serve_app"]
+
+HTTPServerName = Literal["auto", "h11", "hypercorn"]
+HTTP_SERVERS: tuple[HTTPServerName, ...] = ("auto", "h11", "hypercorn")
 
 logger = logging.getLogger("trio_vllm.server")
 
@@ -60,11 +65,14 @@ async def serve_app(
     backlog: int = 2048,
     access_log: bool = False,
     sock: socket.socket | None = None,
+    http_server: HTTPServerName = "auto",
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve an ASGI app with hypercorn until ``shutdown_trigger`` returns.
+    """Serve an ASGI app until ``shutdown_trigger`` returns.
 
-    Runs hypercorn's trio worker under trio and its asyncio worker under asyncio.
+    ``http_server``: ``"h11"`` (trio only) is `serve_h11`, this package's HTTP/1.1
+    server; ``"hypercorn"`` is hypercorn's trio worker under trio and its asyncio
+    worker under asyncio; ``"auto"`` (the default) is h11 on trio, hypercorn on asyncio.
     ``task_status.started(port)`` reports the bound port (useful with ``port=0``) once
     the socket listens. When ``shutdown_trigger`` returns, hypercorn stops accepting,
     lets running requests finish for ``graceful_timeout`` seconds, then cancels them
@@ -73,11 +81,28 @@ async def serve_app(
     ``host:port`` (one that several server processes share, ``--api-server-count``);
     it is adopted (closed when serving ends).
     """
-    from hypercorn.config import Config
-
+    if http_server not in HTTP_SERVERS:
+        raise ValueError(f"http_server must be one of {HTTP_SERVERS}, got {http_server!r}")
+    on_trio = _on_trio()
+    if http_server == "h11" and not on_trio:
+        raise ValueError('http_server="h11" runs on trio only (use "hypercorn" on asyncio)')
     if sock is None:
         sock = _listen(host, port, backlog)
     bound_port = sock.getsockname()[1]
+    if on_trio and http_server != "hypercorn":
+        from ._h11 import serve_h11
+
+        task_status.started(bound_port)
+        await serve_h11(
+            app,
+            sock,
+            shutdown_trigger=shutdown_trigger,
+            graceful_timeout=graceful_timeout,
+            access_log=access_log,
+        )
+        return
+    from hypercorn.config import Config
+
     config = Config()
     # hypercorn adopts the descriptor (socket.socket(fileno=...)): detach ours.
     config.bind = [f"fd://{sock.detach()}"]
@@ -86,7 +111,7 @@ async def serve_app(
     config.accesslog = logging.getLogger("hypercorn.access") if access_log else None
     config.errorlog = logging.getLogger("hypercorn.error")
     task_status.started(bound_port)
-    if _on_trio():
+    if on_trio:
         from hypercorn.trio import serve as trio_serve
 
         await trio_serve(app, config, shutdown_trigger=shutdown_trigger)
