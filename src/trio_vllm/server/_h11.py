@@ -202,12 +202,6 @@ class _Connection:
         requests = 0
         try:
             while not server.closing:
-                # One scheduler pass per request: reads and writes that complete at
-                # once do not yield, and a client pipelining requests must not hold
-                # the loop.
-                await trio.lowlevel.checkpoint()
-                if server.closing:  # shutdown began during that pass
-                    return
                 server.idle.add(self)
                 self.idle_scope = trio.CancelScope(
                     deadline=trio.current_time() + server.keep_alive_timeout
@@ -228,6 +222,10 @@ class _Connection:
                 if not keep:
                     return
                 self.h11.start_next_cycle()
+                # One scheduler pass per request: reads and writes that complete at
+                # once do not yield, and a client pipelining requests must not hold
+                # the loop. (Before the loop's test: shutdown may begin during it.)
+                await trio.lowlevel.checkpoint()
         finally:
             try:
                 with contextlib.suppress(OSError):
