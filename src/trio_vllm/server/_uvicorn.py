@@ -84,9 +84,11 @@ async def serve_uvicorn(
             done = True
             tg.cancel_scope.cancel()
     finally:
-        sock.close()
-        with anyio.CancelScope(shield=True):
-            await _close(server, abort=not done)
+        try:
+            with anyio.CancelScope(shield=True):
+                await _close(server, abort=not done)
+        finally:
+            sock.close()  # after the asyncio server that wraps it
 
 
 async def _close(server: Any, *, abort: bool) -> None:
