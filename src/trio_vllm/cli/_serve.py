@@ -2,7 +2,8 @@
 
 The same endpoints, field names and status codes as ``vllm serve``'s API server
 (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
-``/version``, ``/metrics``), served by hypercorn's trio worker over the text frontend.
+``/version``, ``/metrics``), over the text frontend, served on trio by this package's
+HTTP/1.1 server on h11 (or hypercorn's trio worker).
 Engines as for ``trio-vllm generate``: the bundled reference engine (default), stock
 vLLM engine cores (``--engine vllm --vllm-python PY``), or headless engines started
 elsewhere that connect to ``--connect tcp://HOST:PORT`` (``--engines N``, data
