@@ -13,7 +13,8 @@ behaves as this package's other HTTP servers do:
   shutdown began but does not wait for them; this does (a cancelled generation aborts on
   its engine before the call returns);
 * cancellation of the call closes everything at once: the listener, every connection
-  (aborted), every request (cancelled, then awaited).
+  (aborted), every request (cancelled, then awaited);
+* a request it cancels is not logged as an app error with a CancelledError traceback.
 
 Logs go to ``uvicorn.error`` and, with ``access_log``, ``uvicorn.access`` (uvicorn's own
 logging configuration is not applied: ``log_config=None``). uvicorn and httptools are
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -71,6 +73,8 @@ async def serve_uvicorn(
     )
     server = _server_class()(config)
     done = False
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addFilter(_drop_cancelled_requests)
     try:
         async with anyio.create_task_group() as tg:
             if shutdown_trigger is not None:
@@ -89,6 +93,16 @@ async def serve_uvicorn(
                 await _close(server, abort=not done)
         finally:
             sock.close()  # after the asyncio server that wraps it
+            uvicorn_log.removeFilter(_drop_cancelled_requests)
+
+
+def _drop_cancelled_requests(record: logging.LogRecord) -> bool:
+    """uvicorn logs a request task it cancels (at its graceful timeout; or this call's
+    cancellation) as "Exception in ASGI application" with a CancelledError traceback:
+    an ending this call chose (uvicorn's own "Cancel N running task(s)" line says so),
+    not an app error; dropped. Other app errors are logged as uvicorn logs them."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not isinstance(exc, asyncio.CancelledError)
 
 
 async def _close(server: Any, *, abort: bool) -> None:
