@@ -322,3 +322,23 @@ async def test_cancelling_the_call_closes_everything_at_once(anyio_backend: str)
         assert app.ended == ["cancelled"]
         assert sock.fileno() == -1
         await _read_to_end(stream)  # the connection is gone, not left open
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_uvicorn_leaves_the_signal_handlers_alone(anyio_backend: str) -> None:
+    # uvicorn.Server.serve would install its own SIGINT/SIGTERM handlers (and re-raise
+    # the signal when it returns); the caller's stay (run_openai_server's, a program's).
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    app = _App()
+    app.release.set()
+    stop = anyio.Event()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            port = await tg.start(
+                partial(serve_app, app, port=0, shutdown_trigger=stop.wait,
+                        http_server="uvicorn")
+            )  # fmt: skip
+            assert (await raw_request(port, "GET", "/stream"))[0] == 200  # serving
+            during = {sig: signal.getsignal(sig) for sig in before}
+            stop.set()
+    assert during == before
