@@ -15,12 +15,14 @@ connect -> first byte for each. Servers:
 * ``h11-1pass``: the same with one accept per scheduler pass (``trio``'s socket
   ``accept`` and hypercorn's loop do that): the accept loop is patched here, in this
   benchmark only, to yield after each accept;
-* ``hypercorn``: hypercorn's trio worker.
+* ``hypercorn``: hypercorn's trio worker;
+* ``uvicorn``: ``serve_app(http_server="uvicorn")`` on asyncio with uvloop, as
+  ``trio-vllm serve --backend asyncio`` (the app and ticker on anyio).
 
 Prints p50, p99 and max of the burst's time to first byte, and p99 / p50; the server's
 CPU per streamed event. Not a test: nothing asserts.
 
-    python bench/bench_http_fairness.py [--servers h11,h11-1pass,hypercorn]
+    python bench/bench_http_fairness.py [--servers h11,h11-1pass,hypercorn,uvicorn]
         [--streams 256] [--burst 256] [--rounds 3] [--json]
 """
 
@@ -37,7 +39,7 @@ from typing import Any
 EVENT = b'data: {"choices":[{"index":0,"text":" tok"}]}\n\n'
 
 _SERVER = r"""
-import os, sys, time, trio
+import os, sys, time, anyio, trio
 from functools import partial
 from trio_vllm.server import serve_app
 import trio_vllm.server._h11 as h11mod
@@ -61,14 +63,14 @@ if kind == "h11-1pass":
                 await trio.lowlevel.checkpoint()  # one accept per scheduler pass
     h11mod._accept_loop = _accept_loop
 
-tick = trio.Event()
+tick = None
 events = 0
 
 async def ticker():
     global tick
     while True:
-        await trio.sleep(step_ms / 1000)
-        old, tick = tick, trio.Event()
+        await anyio.sleep(step_ms / 1000)
+        old, tick = tick, anyio.Event()
         old.set()
 
 async def app(scope, receive, send):
@@ -91,23 +93,28 @@ async def app(scope, receive, send):
     await send({"type": "http.response.body", "body": b""})
 
 async def main():
-    stop = trio.Event()
-    async with trio.open_nursery() as n:
+    global tick
+    tick = anyio.Event()
+    stop = anyio.Event()
+    server = kind if kind in ("hypercorn", "uvicorn") else "h11"
+    async with anyio.create_task_group() as n:
         n.start_soon(ticker)
         port = await n.start(partial(serve_app, app, port=0, shutdown_trigger=stop.wait,
-                                     graceful_timeout=1,
-                                     http_server="hypercorn" if kind == "hypercorn" else "h11"))
+                                     graceful_timeout=1, http_server=server))
         print(port, flush=True)
-        await trio.to_thread.run_sync(sys.stdin.readline)
+        await anyio.to_thread.run_sync(sys.stdin.readline)
         cpu0, ev0 = time.process_time(), events
-        await trio.to_thread.run_sync(sys.stdin.readline)
+        await anyio.to_thread.run_sync(sys.stdin.readline)
         print(json.dumps({"cpu_s": time.process_time() - cpu0, "events": events - ev0}),
               flush=True)
         stop.set()
         n.cancel_scope.cancel()
 
 import json
-trio.run(main)
+if kind == "uvicorn":
+    anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
+else:
+    trio.run(main)
 """
 
 _CLIENT = r"""

@@ -43,8 +43,8 @@ with content per request (``len(itls) + 1`` from the detailed results), plus rat
 trio/vllm and trio/vllm-rs.
 
     python bench/bench_serve.py --vllm-python PY [--concurrency 1,16,64,256]
-        [--servers trio,trio-merge,vllm,vllm-rs] [--setting frontend-bound|stock-engine]
-        [--baseline REV] [--json OUT]
+        [--servers trio,trio-uvicorn,trio-merge,vllm,vllm-rs]
+        [--setting frontend-bound|stock-engine] [--baseline REV] [--json OUT]
 
 ``trio-n2`` and ``vllm-n2`` (opt-in in ``--servers``) are the same with
 ``--api-server-count 2``: two API-server processes on the frontend's core(s)
@@ -52,6 +52,10 @@ trio/vllm and trio/vllm-rs.
 
 ``trio-hypercorn`` (opt-in in ``--servers``) is ``trio-vllm serve --http-server
 hypercorn``: hypercorn's trio worker instead of the default h11 server.
+``trio-uvicorn`` (opt-in) is ``trio-vllm serve --backend asyncio``: the same server on
+asyncio (uvloop), served by uvicorn with httptools, the HTTP layer ``vllm serve`` runs
+on; so one run measures every HTTP layer side by side (``trio-uvicorn-n2``: with two
+API servers).
 
 ``trio-merge`` (opt-in in ``--servers``) is ``trio-vllm serve --merge-outputs``: what a
 busy connection piled up goes out as one SSE event, as vLLM's API server sends it.
@@ -175,6 +179,7 @@ def _frontend_command(
             "--connect", f"tcp://127.0.0.1:{rpc_port}", "--engines", "1",
             "--ready-timeout", "900", *(["--merge-outputs"] if name == "trio-merge" else []),
             *(["--http-server", "hypercorn"] if name == "trio-hypercorn" else []),
+            *(["--backend", "asyncio"] if name.startswith("trio-uvicorn") else []),
             *servers,
         ]  # fmt: skip
     # vLLM's frontends build their config from the engine arguments: the same as the

@@ -1,6 +1,6 @@
 """Micro-benchmark: what one SSE chunk costs the server through each HTTP layer
-(hypercorn's trio worker, trio-vllm's h11 server) against a raw trio socket send of the
-same bytes, in the same run.
+(hypercorn's trio worker, trio-vllm's h11 server, uvicorn on uvloop) against a raw trio
+socket send of the same bytes, in the same run.
 
 A client process (plain blocking socket, its own process) reads as fast as it can; the
 server sends ``--events`` copies of a typical ``/v1/completions`` token event
@@ -12,6 +12,9 @@ and ``time.perf_counter``. Cases:
 * ``hypercorn x64``: the same app, 64 events per ``http.response.body`` (per event);
 * ``h11``, ``h11 x64``: the same app on ``serve_app(http_server="h11")``, the default
   of ``trio-vllm serve`` on trio (``server/_h11.py``);
+* ``uvicorn``, ``uvicorn x64``: the same app on ``serve_app(http_server="uvicorn")``
+  under asyncio with uvloop (``trio-vllm serve --backend asyncio``; skipped without
+  ``trio-vllm[asyncio]``);
 * ``raw trio``: ``trio.SocketStream.send_all`` of each event with the same chunked
   framing hypercorn writes (the floor of "one send per token" on trio);
 * ``raw trio x64``: 64 framed events per ``send_all`` (per event).
@@ -33,6 +36,7 @@ import time
 from functools import partial
 from typing import Any
 
+import anyio
 import trio
 
 EVENT = (
@@ -90,9 +94,9 @@ async def _asgi_case(events: int, per_send: int, server: str) -> tuple[float, fl
         await send({"type": "http.response.body", "body": b""})
         done.set()
 
-    done = trio.Event()
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
+    done = anyio.Event()
+    stop = anyio.Event()
+    async with anyio.create_task_group() as nursery:
         port = await nursery.start(
             partial(
                 serve_app,
@@ -105,7 +109,7 @@ async def _asgi_case(events: int, per_send: int, server: str) -> tuple[float, fl
         )
         proc = _client(port)
         await done.wait()
-        await trio.to_thread.run_sync(proc.wait)
+        await anyio.to_thread.run_sync(proc.wait)
         stop.set()
     return result["cpu"] / events, result["wall"] / events
 
@@ -143,6 +147,8 @@ CASES = {
     f"hypercorn x{BATCH}": partial(_asgi_case, per_send=BATCH, server="hypercorn"),
     "h11": partial(_asgi_case, per_send=1, server="h11"),
     f"h11 x{BATCH}": partial(_asgi_case, per_send=BATCH, server="h11"),
+    "uvicorn": partial(_asgi_case, per_send=1, server="uvicorn"),
+    f"uvicorn x{BATCH}": partial(_asgi_case, per_send=BATCH, server="uvicorn"),
     "raw trio": partial(_raw_case, per_send=1),
     f"raw trio x{BATCH}": partial(_raw_case, per_send=BATCH),
 }
@@ -154,10 +160,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    from trio_vllm.server._serve import uvicorn_installed
+
+    cases = {n: c for n, c in CASES.items() if uvicorn_installed() or "uvicorn" not in n}
     best: dict[str, tuple[float, float]] = {}
     for _ in range(args.rounds):
-        for name, case in CASES.items():
-            cpu, wall = trio.run(case, args.events)
+        for name, case in cases.items():
+            if name.startswith("uvicorn"):  # asyncio's server: on uvloop, as the command
+                cpu, wall = anyio.run(
+                    case, args.events, backend="asyncio", backend_options={"use_uvloop": True}
+                )
+            else:
+                cpu, wall = trio.run(case, args.events)
             old = best.get(name)
             best[name] = (cpu, wall) if old is None else (min(old[0], cpu), min(old[1], wall))
     floor = best["raw trio"][0]

@@ -57,6 +57,14 @@ def test_reference_engine_connects_to_the_handshake(bs: Any) -> None:
     assert cmd[cmd.index("--handshake-address") + 1] == "tcp://127.0.0.1:9000"
 
 
+def test_trio_uvicorn_is_our_server_on_asyncio(bs: Any) -> None:
+    uvicorn = bs._frontend_command("trio-uvicorn", "/vllm/python", 8000, 9000, False)
+    plain = bs._frontend_command("trio", "/vllm/python", 8000, 9000, False)
+    assert uvicorn == [*plain, "--backend", "asyncio"]
+    two = bs._frontend_command("trio-uvicorn-n2", "/vllm/python", 8000, 9000, False)
+    assert two == [*plain, "--backend", "asyncio", "--api-server-count", "2"]
+
+
 def test_trio_merge_is_our_server_with_merged_outputs(bs: Any) -> None:
     merged = bs._frontend_command("trio-merge", "/vllm/python", 8000, 9000, False)
     plain = bs._frontend_command("trio", "/vllm/python", 8000, 9000, False)

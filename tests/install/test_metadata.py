@@ -25,10 +25,20 @@ def test_project_urls() -> None:
 
 def test_the_light_extras_pull_no_torch() -> None:
     extras = PROJECT["optional-dependencies"]
-    for light in ("testing", "docs", "text", "structured"):
+    for light in ("testing", "docs", "text", "structured", "asyncio"):
         assert not any(req.startswith("torch") for req in extras[light]), light
     assert any(req.startswith("pytest") for req in extras["testing"])
     assert "test" not in extras  # replaced by testing (it pulled an unpinned torch)
+
+
+def test_ci_installs_the_asyncio_server() -> None:
+    # dev (what .ci/run installs) pulls [asyncio], so the uvicorn tests run in CI.
+    extras = PROJECT["optional-dependencies"]
+    assert {"uvicorn", "httptools", "uvloop"} <= {
+        req.split(">")[0].split(";")[0].strip() for req in extras["asyncio"]
+    }
+    (dev_self,) = [req for req in extras["dev"] if req.startswith("trio-vllm[")]
+    assert "asyncio" in dev_self.partition("[")[2].rstrip("]").split(",")
 
 
 def test_the_readme_installs_as_a_user_first() -> None:

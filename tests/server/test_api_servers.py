@@ -123,9 +123,16 @@ def _cmdline(pid: int) -> str:
         return f.read().replace(b"\0", b" ").decode(errors="replace")
 
 
-async def test_two_servers_answer_share_abort_and_stop_on_sigterm() -> None:
+@pytest.mark.parametrize(
+    "backend",
+    [pytest.param([], id="trio-h11"), pytest.param(["--backend", "asyncio"], id="asyncio-uvicorn")],
+)
+async def test_two_servers_answer_share_abort_and_stop_on_sigterm(backend: list[str]) -> None:
     before = _metrics_dirs()
-    async with api_servers() as group, httpx.AsyncClient(base_url=group.base_url) as http:
+    async with (
+        api_servers(*backend) as group,
+        httpx.AsyncClient(base_url=group.base_url) as http,
+    ):
         assert len(_metrics_dirs() - before) == 1
         # Every request answered correctly; both processes take a share. New
         # connections are spread by the kernel, so ask until each answered (at most 200).

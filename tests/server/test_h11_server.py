@@ -302,8 +302,19 @@ async def test_h11_is_trio_only(anyio_backend: str) -> None:
     sock.close()
 
 
-@pytest.mark.parametrize("http_server", ["h11", "hypercorn"])
-async def test_both_servers_answer_the_same(http_server: str) -> None:
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_uvicorn_is_asyncio_only(anyio_backend: str) -> None:
+    sock = _listener()
+    with pytest.raises(ValueError, match="asyncio only"):
+        await serve_app(_App(), sock=sock, http_server="uvicorn")
+    sock.close()
+
+
+@pytest.mark.parametrize(
+    ("anyio_backend", "http_server"),
+    [("trio", "h11"), ("trio", "hypercorn"), ("asyncio", "hypercorn"), ("asyncio", "uvicorn")],
+)
+async def test_every_server_answers_the_same(anyio_backend: str, http_server: str) -> None:
     stop = anyio.Event()
     async with anyio.create_task_group() as tg:
         port = await tg.start(

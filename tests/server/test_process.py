@@ -75,6 +75,13 @@ async def _stream(base_url: str, body: dict[str, object], first: anyio.Event) ->
             return sse_events(data)
 
 
+# The server's policies hold on each backend: trio (our h11 server, the default) and
+# asyncio (uvicorn with httptools on uvloop, `--backend asyncio`).
+BACKENDS = [
+    pytest.param([], id="trio-h11"),
+    pytest.param(["--backend", "asyncio"], id="asyncio-uvicorn"),
+]
+
 _SLOW = ["--engine-args=--step-interval-ms 5"]  # 300 tokens take >= 1.5 s
 # 1,500 tokens take >= 30 s: every stream is still open at the SIGKILL, however long a
 # loaded machine takes to start all five (nothing waits for them to end).
@@ -90,8 +97,11 @@ async def test_the_startup_heap_is_frozen_before_serving(anyio_backend: str) -> 
         assert server.stderr.index(frozen.group(0)) < SERVING.search(server.stderr).start()
 
 
-async def test_sigterm_drains_running_requests_then_exits_0(anyio_backend: str) -> None:
-    async with cli_server(*_SLOW, "--shutdown-grace", "30") as server:
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_sigterm_drains_running_requests_then_exits_0(
+    anyio_backend: str, backend: list[str]
+) -> None:
+    async with cli_server(*backend, *_SLOW, "--shutdown-grace", "30") as server:
         (engine,) = server.engine_pids()
         first = anyio.Event()
         results: list[list[object]] = []
@@ -128,9 +138,12 @@ async def test_sigterm_drains_running_requests_then_exits_0(anyio_backend: str) 
         assert b"SIGTERM" in server.stderr
 
 
-async def test_sigterm_ends_streams_that_outlive_the_grace(anyio_backend: str) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_sigterm_ends_streams_that_outlive_the_grace(
+    anyio_backend: str, backend: list[str]
+) -> None:
     # 1,500 tokens take >= 30 s: the stream is open when the 1 s grace ends, on any machine.
-    async with cli_server(*_SLOWER, "--shutdown-grace", "1") as server:
+    async with cli_server(*backend, *_SLOWER, "--shutdown-grace", "1") as server:
         first = anyio.Event()
         results: list[list[object]] = []
 
@@ -161,8 +174,11 @@ async def test_sigterm_ends_streams_that_outlive_the_grace(anyio_backend: str) -
         )
 
 
-async def test_engine_death_ends_streams_and_exits_1(anyio_backend: str) -> None:
-    async with cli_server(*_SLOWER) as server:
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_engine_death_ends_streams_and_exits_1(
+    anyio_backend: str, backend: list[str]
+) -> None:
+    async with cli_server(*backend, *_SLOWER) as server:
         (engine,) = server.engine_pids()
         started = [anyio.Event() for _ in range(5)]
         results: list[list[object]] = []
@@ -186,8 +202,9 @@ async def test_engine_death_ends_streams_and_exits_1(anyio_backend: str) -> None
             assert await server.process.wait() == 1
 
 
-async def test_keep_serving_on_engine_death(anyio_backend: str) -> None:
-    async with cli_server("--keep-serving-on-engine-death") as server:
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_keep_serving_on_engine_death(anyio_backend: str, backend: list[str]) -> None:
+    async with cli_server(*backend, "--keep-serving-on-engine-death") as server:
         (engine,) = server.engine_pids()
         status, _, _ = await raw_request(server.port, "GET", "/health")
         assert status == 200

@@ -2,7 +2,8 @@
 
 The same endpoints, field names and status codes as ``vllm serve``'s API server
 (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
-``/version``, ``/metrics``), served by hypercorn's trio worker over the text frontend.
+``/version``, ``/metrics``), over the text frontend, served on trio by this package's
+HTTP/1.1 server on h11 (or hypercorn's trio worker).
 Engines as for ``trio-vllm generate``: the bundled reference engine (default), stock
 vLLM engine cores (``--engine vllm --vllm-python PY``), or headless engines started
 elsewhere that connect to ``--connect tcp://HOST:PORT`` (``--engines N``, data
@@ -10,6 +11,9 @@ parallel included).
 
 --api-server-count N runs N such servers on one listening socket, all sharing the
 engines (as vllm serve --api-server-count N; /metrics sums over them).
+
+--backend asyncio runs the same server on asyncio (uvloop), served by uvicorn with
+httptools (as vllm serve) or hypercorn's asyncio worker (--http-server hypercorn).
 
 Exit status: 0 after SIGTERM or Ctrl-C (no new connections, running requests finish
 within --shutdown-grace, then the engines stop); 1 when the engines fail to start or die
@@ -28,6 +32,7 @@ from ._engines import EnginePlan, UsageError, add_engine_arguments, engine_plan,
 
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Awaitable, Callable
 
     from ..client import ClientOptions, EngineSource
     from ..server._tools import ToolOptions
@@ -117,11 +122,18 @@ def add_parser(commands: Any) -> None:
     )
     h.add_argument("--access-log", action="store_true", help="log every request")
     h.add_argument(
+        "--backend",
+        choices=("trio", "asyncio"),
+        default="trio",
+        help="the event loop: trio (default) or asyncio (on uvloop; needs 'trio-vllm[asyncio]')",
+    )
+    h.add_argument(
         "--http-server",
-        choices=("h11", "hypercorn"),
-        default="h11",
-        help="the HTTP/1.1 server: h11 (default; this package's, on h11 over trio "
-        "sockets) or hypercorn (hypercorn's trio worker)",
+        choices=("h11", "hypercorn", "uvicorn"),
+        default=None,
+        help="the HTTP/1.1 server: h11 (trio's default; this package's, on h11 over trio "
+        "sockets), uvicorn (asyncio's default; with httptools, as vllm serve) or "
+        "hypercorn (hypercorn's worker for the backend)",
     )
     t = p.add_argument_group("tool calling and reasoning (as vllm serve)")
     t.add_argument(
@@ -268,17 +280,61 @@ def _log_to_stderr(args: argparse.Namespace) -> None:
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
-    for name in ("trio_vllm.server", "hypercorn.error"):
+    # The HTTP servers' access logs (--access-log) at INFO; uvicorn's INFO lines
+    # ("Waiting for connections to close. (CTRL+C to force quit)") do not fit this
+    # command's shutdown (run_openai_server logs it): its warnings and errors only.
+    for name, level in (
+        ("trio_vllm.server", logging.INFO),
+        ("hypercorn.error", logging.INFO),
+        ("hypercorn.access", logging.INFO),
+        ("uvicorn.error", logging.WARNING),
+        ("uvicorn.access", logging.INFO),
+    ):
         log = logging.getLogger(name)
         log.addHandler(handler)
-        log.setLevel(logging.INFO)
+        log.setLevel(level)
         log.propagate = False
+
+
+# What `--backend asyncio` imports: uvloop always, uvicorn with httptools to serve.
+_ASYNCIO_EXTRA = "pip install 'trio-vllm[asyncio]'"
+
+
+def _http_server(args: argparse.Namespace) -> str:
+    """``--http-server`` for ``--backend``: its default, or `UsageError`."""
+    import importlib.util
+
+    trio_backend = args.backend == "trio"
+    server: str = args.http_server or ("h11" if trio_backend else "uvicorn")
+    if server == "h11" and not trio_backend:
+        raise UsageError(
+            "--http-server h11 runs on --backend trio only (asyncio: uvicorn or hypercorn)"
+        )
+    if server == "uvicorn" and trio_backend:
+        raise UsageError(
+            "--http-server uvicorn runs on --backend asyncio only (trio: h11 or hypercorn)"
+        )
+    if not trio_backend:
+        needed = ("uvloop", *(("uvicorn", "httptools") if server == "uvicorn" else ()))
+        missing = [m for m in needed if importlib.util.find_spec(m) is None]
+        if missing:
+            raise UsageError(f"--backend asyncio needs {' and '.join(missing)}: {_ASYNCIO_EXTRA}")
+    return server
+
+
+def _run_on(backend: str, main: Callable[[], Awaitable[int]]) -> int:
+    """``main()`` on trio, or on asyncio with uvloop's event loop."""
+    if backend == "trio":
+        import trio
+
+        return trio.run(main)
+    import anyio
+
+    return anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``trio-vllm serve``; returns the exit status."""
-    import trio
-
     from .._exceptions import EngineStartupError
     from ..server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE
     from ..server._lora import parse_lora_modules
@@ -296,6 +352,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     attached = args.attach_engines is not None
     try:
+        http_server = _http_server(args)
         plan = _engine_plan(args)
         if plan.model_dir is None:
             raise UsageError(
@@ -338,7 +395,8 @@ def run(args: argparse.Namespace) -> int:
         if args.api_server_count > 1 and not attached:
             from ._api_servers import run_api_servers
 
-            return trio.run(
+            return _run_on(
+                args.backend,
                 lambda: run_api_servers(
                     engines,
                     count=args.api_server_count,
@@ -347,9 +405,10 @@ def run(args: argparse.Namespace) -> int:
                     port=args.port,
                     shutdown_grace=grace,
                     ready_timeout=args.ready_timeout,
-                )
+                ),
             )
-        return trio.run(
+        return _run_on(
+            args.backend,
             lambda: run_openai_server(
                 engines,
                 model=plan.model_dir,
@@ -364,7 +423,7 @@ def run(args: argparse.Namespace) -> int:
                 tool_options=tool_options,
                 freeze_gc=True,
                 access_log=args.access_log,
-                http_server=args.http_server,
+                http_server=http_server,  # type: ignore[arg-type]  # one of the names
                 generation_config=args.generation_config,
                 override_generation_config=args.override_generation_config,
                 client_options=options,
@@ -373,7 +432,7 @@ def run(args: argparse.Namespace) -> int:
                 listen_fd=args.listen_fd,
                 server_index=args.api_server_index,
                 parent_pid=args.api_server_parent,
-            )
+            ),
         )
     except BaseException as raised:
         error = raised

@@ -1,10 +1,11 @@
-"""Serving the app: our h11 server on trio (or hypercorn), and hypercorn on asyncio.
+"""Serving the app: our h11 server on trio (or hypercorn), uvicorn on asyncio (or hypercorn).
 
 `serve_app` binds the listening socket itself (so port 0 works and the bound port
 is reported through ``task_status`` on both backends) and hands it to the HTTP server:
 on trio `serve_h11` (``_h11.py``, the default: the streaming hot path without
 hypercorn's per-send stack) or hypercorn's trio worker (``http_server="hypercorn"``),
-on asyncio hypercorn's asyncio worker. `run_openai_server`
+on asyncio `serve_uvicorn` (``_uvicorn.py``: uvicorn with httptools, when installed) or
+hypercorn's asyncio worker. `run_openai_server`
 is the command's body: engines + text frontend + app + signals + death policy.
 """
 
@@ -24,8 +25,10 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_SHUTDOWN_GRACE", "HTTPServerName", "serve_app"]
 
-HTTPServerName = Literal["auto", "h11", "hypercorn"]
-HTTP_SERVERS: tuple[HTTPServerName, ...] = ("auto", "h11", "hypercorn")
+HTTPServerName = Literal["auto", "h11", "hypercorn", "uvicorn"]
+HTTP_SERVERS: tuple[HTTPServerName, ...] = ("auto", "h11", "hypercorn", "uvicorn")
+# What http_server="uvicorn" imports (the [asyncio] extra; uvloop is the CLI's).
+UVICORN_MODULES = ("uvicorn", "httptools")
 
 logger = logging.getLogger("trio_vllm.server")
 
@@ -43,6 +46,13 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def uvicorn_installed() -> bool:
+    """Whether ``http_server="uvicorn"`` can run (uvicorn and httptools importable)."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in UVICORN_MODULES)
 
 
 def _on_trio() -> bool:
@@ -71,12 +81,14 @@ async def serve_app(
     """Serve an ASGI app until ``shutdown_trigger`` returns.
 
     ``http_server``: ``"h11"`` (trio only) is `serve_h11`, this package's HTTP/1.1
-    server; ``"hypercorn"`` is hypercorn's trio worker under trio and its asyncio
-    worker under asyncio; ``"auto"`` (the default) is h11 on trio, hypercorn on asyncio.
-    ``task_status.started(port)`` reports the bound port (useful with ``port=0``) once
-    the socket listens. When ``shutdown_trigger`` returns, hypercorn stops accepting,
-    lets running requests finish for ``graceful_timeout`` seconds, then cancels them
-    (a cancelled generation request aborts on its engine). Cancelling this call closes
+    server; ``"uvicorn"`` (asyncio only) is uvicorn with httptools' parser
+    (``pip install 'trio-vllm[asyncio]'``); ``"hypercorn"`` is hypercorn's trio worker
+    under trio and its asyncio worker under asyncio; ``"auto"`` (the default) is h11 on
+    trio, and uvicorn on asyncio when uvicorn and httptools are installed (hypercorn
+    otherwise). ``task_status.started(port)`` reports the bound port (useful with
+    ``port=0``) once the socket listens. When ``shutdown_trigger`` returns, the server
+    stops accepting, lets running requests finish for ``graceful_timeout`` seconds, then
+    cancels them (a cancelled generation request aborts on its engine). Cancelling this call closes
     everything at once. ``sock``: a listening socket to serve instead of binding
     ``host:port`` (one that several server processes share, ``--api-server-count``);
     it is adopted (closed when serving ends).
@@ -85,7 +97,17 @@ async def serve_app(
         raise ValueError(f"http_server must be one of {HTTP_SERVERS}, got {http_server!r}")
     on_trio = _on_trio()
     if http_server == "h11" and not on_trio:
-        raise ValueError('http_server="h11" runs on trio only (use "hypercorn" on asyncio)')
+        raise ValueError(
+            'http_server="h11" runs on trio only (use "uvicorn" or "hypercorn" on asyncio)'
+        )
+    if http_server == "uvicorn" and on_trio:
+        raise ValueError('http_server="uvicorn" runs on asyncio only (use "h11" or "hypercorn")')
+    if http_server == "auto" and not on_trio:
+        http_server = "uvicorn" if uvicorn_installed() else "hypercorn"
+    elif http_server == "uvicorn" and not uvicorn_installed():
+        raise ValueError(
+            'http_server="uvicorn" needs uvicorn and httptools: pip install "trio-vllm[asyncio]"'
+        )
     if sock is None:
         sock = _listen(host, port, backlog)
     bound_port = sock.getsockname()[1]
@@ -99,6 +121,19 @@ async def serve_app(
             shutdown_trigger=shutdown_trigger,
             graceful_timeout=graceful_timeout,
             access_log=access_log,
+        )
+        return
+    if http_server == "uvicorn":
+        from ._uvicorn import serve_uvicorn
+
+        task_status.started(bound_port)
+        await serve_uvicorn(
+            app,
+            sock,
+            shutdown_trigger=shutdown_trigger,
+            graceful_timeout=graceful_timeout,
+            access_log=access_log,
+            backlog=backlog,
         )
         return
     from hypercorn.config import Config

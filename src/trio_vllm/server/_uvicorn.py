@@ -1,0 +1,136 @@
+"""The app on uvicorn (httptools' parser), for asyncio: ``serve_app(http_server="uvicorn")``.
+
+uvicorn is what ``vllm serve`` runs on; ``trio-vllm serve --backend asyncio`` serves with
+it on uvloop. Three things differ from ``uvicorn.Server.serve``'s defaults, all so that it
+behaves as this package's other HTTP servers do:
+
+* signals: ``Server.serve`` replaces the SIGINT/SIGTERM handlers with its own
+  (``capture_signals``) and re-raises the captured signal when it returns; the caller
+  handles signals here (`run_openai_server`), so the subclass's ``capture_signals`` is a
+  no-op and shutdown comes from ``shutdown_trigger`` (``should_exit``, which uvicorn's
+  main loop reads every 0.1 s);
+* the drain: uvicorn cancels the requests still running ``graceful_timeout`` seconds after
+  shutdown began but does not wait for them; this does (a cancelled generation aborts on
+  its engine before the call returns);
+* cancellation of the call closes everything at once: the listener, every connection
+  (aborted), every request (cancelled, then awaited);
+* a request it cancels is not logged as an app error with a CancelledError traceback.
+
+Logs go to ``uvicorn.error`` and, with ``access_log``, ``uvicorn.access`` (uvicorn's own
+logging configuration is not applied: ``log_config=None``). uvicorn and httptools are
+imported on the first call (``pip install 'trio-vllm[asyncio]'``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+if TYPE_CHECKING:
+    import socket
+    from collections.abc import Awaitable, Callable, Iterator
+
+__all__ = ["serve_uvicorn"]
+
+# Seconds the requests uvicorn cancelled (or a cancelled call cancels) get to finish
+# unwinding (their engine aborts) before the call returns anyway.
+_UNWIND_TIMEOUT = 10.0
+
+
+async def serve_uvicorn(
+    app: Callable[..., Awaitable[None]],
+    sock: socket.socket,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None,
+    graceful_timeout: float,
+    access_log: bool,
+    backlog: int,
+) -> None:
+    """Serve ``app`` on the listening ``sock`` (adopted) with uvicorn until
+    ``shutdown_trigger`` returns (then: no new connections, running requests get
+    ``graceful_timeout`` seconds, then are cancelled and awaited)."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        http="httptools",
+        ws="none",
+        lifespan="off",
+        loop="none",
+        interface="asgi3",
+        log_config=None,
+        access_log=access_log,
+        proxy_headers=False,  # as the other servers: the peer is the client
+        server_header=False,
+        headers=[("server", "trio-vllm")],  # as the h11 server
+        backlog=backlog,
+        timeout_graceful_shutdown=graceful_timeout,  # type: ignore[arg-type]  # float works
+    )
+    server = _server_class()(config)
+    done = False
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addFilter(_drop_cancelled_requests)
+    try:
+        async with anyio.create_task_group() as tg:
+            if shutdown_trigger is not None:
+
+                async def trigger() -> None:
+                    await shutdown_trigger()
+                    server.should_exit = True
+
+                tg.start_soon(trigger)
+            await server.serve(sockets=[sock])
+            done = True
+            tg.cancel_scope.cancel()
+    finally:
+        try:
+            with anyio.CancelScope(shield=True):
+                await _close(server, abort=not done)
+        finally:
+            sock.close()  # after the asyncio server that wraps it
+            uvicorn_log.removeFilter(_drop_cancelled_requests)
+
+
+def _drop_cancelled_requests(record: logging.LogRecord) -> bool:
+    """uvicorn logs a request task it cancels (at its graceful timeout; or this call's
+    cancellation) as "Exception in ASGI application" with a CancelledError traceback:
+    an ending this call chose (uvicorn's own "Cancel N running task(s)" line says so),
+    not an app error; dropped. Other app errors are logged as uvicorn logs them."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not isinstance(exc, asyncio.CancelledError)
+
+
+async def _close(server: Any, *, abort: bool) -> None:
+    """What uvicorn left open: after a cancellation everything (aborted); after its own
+    shutdown the requests it cancelled at the graceful timeout (still unwinding)."""
+    state = server.server_state
+    if abort:
+        for listener in getattr(server, "servers", ()):
+            listener.close()
+        for connection in list(state.connections):
+            connection.transport.abort()
+        for task in state.tasks:
+            task.cancel()
+    tasks = set(state.tasks)
+    if tasks:
+        await asyncio.wait(tasks, timeout=_UNWIND_TIMEOUT)
+
+
+@functools.cache
+def _server_class() -> type[Any]:
+    """``uvicorn.Server`` without its signal handling (made once uvicorn is imported)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # The caller handles SIGINT/SIGTERM (and asks for shutdown through
+            # shutdown_trigger): uvicorn installs nothing, re-raises nothing.
+            yield
+
+    return Server
