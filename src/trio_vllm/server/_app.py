@@ -1,8 +1,9 @@
 """The ASGI application: routing, auth, body limits, request lifetimes, health, metrics.
 
 One `OpenAIServer` serves one text frontend. Every generation request runs in a
-task group of its own: the request's body task and a watcher that waits for the
-client's ``http.disconnect``; a disconnect cancels the group, and leaving the
+cancel scope that a disconnect cancels: the HTTP server's own callback where it offers
+one (`WATCH_DISCONNECT`: our h11 server), else a watcher task beside the request's,
+waiting for the client's ``http.disconnect``; a disconnect cancels the scope, and leaving the
 frontend's ``generate`` block aborts the request on the engine at once. Nothing here
 starts a task that outlives the request that started it.
 """
@@ -26,6 +27,7 @@ from .._version import __version__
 from . import _embeddings
 from ._decode import RequestKind, check_json, decode_request, decode_struct
 from ._http import (
+    WATCH_DISCONNECT,
     ASGIReceive,
     ASGISend,
     ClientDisconnected,
@@ -475,24 +477,12 @@ class OpenAIServer:
         self.metrics.request_started()
         outcome = _Outcome()
         try:
-            if sniffio.current_async_library() == "trio":
-                # trio's own nursery: anyio's task group costs more per request
-                # (docs/performance.md, figures from source comments).
-                import trio
-
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, outcome)
-                    try:
-                        await self._run_in_grace(entry, kind, plan, send, received, outcome)
-                    finally:
-                        nursery.cancel_scope.cancel()
-            else:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, outcome)
-                    try:
-                        await self._run_in_grace(entry, kind, plan, send, received, outcome)
-                    finally:
-                        tg.cancel_scope.cancel()
+            await _until_disconnect(
+                scope,
+                receive,
+                outcome,
+                lambda: self._run_in_grace(entry, kind, plan, send, received, outcome),
+            )
             return outcome.status  # 0 after a disconnect: nobody to answer
         finally:
             del self._open[key]
@@ -776,6 +766,49 @@ class _Timing:
 
 class _Cancellable(Protocol):
     def cancel(self) -> None: ...
+
+
+async def _until_disconnect(
+    scope: Scope, receive: ASGIReceive, outcome: _Outcome, run: Callable[[], Awaitable[None]]
+) -> None:
+    """``run()``, cancelled if the client goes away before the response is complete
+    (``outcome``). With the HTTP server's ``WATCH_DISCONNECT`` extension (our h11
+    server) the server calls back and no task is started; otherwise a watcher task in a
+    task group waits in ``receive()`` for ``http.disconnect``."""
+    extensions = scope.get("extensions")
+    watch = extensions.get(WATCH_DISCONNECT) if extensions else None
+    if watch is not None:  # only serve_h11 offers it: trio
+        import trio
+
+        with trio.CancelScope() as cancel_scope:
+
+            def gone() -> None:
+                if not outcome.complete:
+                    cancel_scope.cancel()
+
+            stop = watch(gone)
+            try:
+                await run()
+            finally:
+                stop()
+    elif sniffio.current_async_library() == "trio":
+        # trio's own nursery: anyio's task group costs more per request
+        # (docs/performance.md, figures from source comments).
+        import trio
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, outcome)
+            try:
+                await run()
+            finally:
+                nursery.cancel_scope.cancel()
+    else:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, outcome)
+            try:
+                await run()
+            finally:
+                tg.cancel_scope.cancel()
 
 
 async def _watch_disconnect(receive: ASGIReceive, scope: _Cancellable, outcome: _Outcome) -> None:
