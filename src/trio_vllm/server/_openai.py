@@ -32,6 +32,7 @@ from ..protocol.rules import (
     PromptInput,
     PromptText,
 )
+from ..text import random_hex
 from ..text.tools import tool_choice_constraint
 from ._http import HTTPError, encode
 from ._schemas import (
@@ -165,10 +166,10 @@ class GenerationPlan:
 
 def base_request_id(header_id: str | None, body_id: str | None) -> str:
     """vLLM's ``_base_request_id``: the ``X-Request-Id`` header, the body's
-    ``request_id``, or a fresh uuid4 hex."""
+    ``request_id``, or 32 fresh random hex digits (as a uuid4's hex)."""
     if header_id is not None:
         return header_id
-    return uuid.uuid4().hex if body_id is None else body_id
+    return random_hex(16) if body_id is None else body_id
 
 
 def _refuse(violation: Violation | None) -> None:
