@@ -734,6 +734,20 @@ class _Timing:
     def outputs(self, outs: Sequence[RequestOutput]) -> None:
         """Outputs taken together: the first with tokens is timed, the others of the
         batch came with it (inter-token latency 0 here)."""
+        if len(outs) == 1 and len(outs[0].outputs) == 1:  # the common case, one pass
+            o = outs[0].outputs[0]
+            if o.finish_reason is not None:
+                self.reason = o.finish_reason
+            if not o.token_ids:
+                return
+            now = time.perf_counter()
+            if self.first:
+                self.first = False
+                self.metrics.first_token(now - self.received)
+            else:
+                self.metrics.inter_token(now - self.last)
+            self.last = now
+            return
         with_tokens = 0
         for out in outs:
             for o in out.outputs:
