@@ -19,6 +19,7 @@ import trio.testing
 
 from trio_vllm.server import serve_app
 from trio_vllm.server._h11 import serve_h11
+from trio_vllm.server._http import WATCH_DISCONNECT
 
 from ._util import raw_request
 
@@ -45,6 +46,8 @@ class _App:
         self.streaming = trio.Event()
         self.release = trio.Event()
         self.sends_after_gone = 0
+        self.watch_fired = 0  # WATCH_DISCONNECT callbacks (``/watch``)
+        self.watch_gone = trio.Event()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         assert scope["type"] == "http"
@@ -90,6 +93,24 @@ class _App:
                 await send({"type": "http.response.body", "body": b"y", "more_body": True})
                 self.sends_after_gone += 1
                 await trio.sleep_forever()
+            return
+        if path == "/watch":  # streams until released or the watch says the client left
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"x", "more_body": True})
+            with trio.CancelScope() as cancel_scope:
+
+                def gone() -> None:
+                    self.watch_fired += 1
+                    self.watch_gone.set()
+                    cancel_scope.cancel()
+
+                stop = scope["extensions"][WATCH_DISCONNECT](gone)
+                self.streaming.set()
+                try:
+                    await self.release.wait()
+                finally:
+                    stop()
+            await send({"type": "http.response.body", "body": b"y"})
             return
         if path == "/slow":
             await self.release.wait()
@@ -245,6 +266,60 @@ async def test_disconnect_reaches_the_app_and_later_sends_do_nothing() -> None:
             await stream.aclose()
             await app.disconnected.wait()
         app.release.set()
+        status, _, _ = await raw_request(port, "GET", "/ok")
+        assert status == 200
+
+
+async def test_watch_disconnect_calls_back_when_the_client_goes() -> None:
+    """The WATCH_DISCONNECT extension: no task in receive(), the server's epoll watcher
+    calls back once on the client's close, and the server keeps serving."""
+    app = _App()
+    async with serving(app) as (port, _, _):
+        stream = await _open(port)
+        await stream.send_all(b"GET /watch HTTP/1.1\r\nhost: x\r\n\r\n")
+        with trio.fail_after(10):
+            await app.streaming.wait()
+            await stream.aclose()
+            await app.watch_gone.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        assert app.watch_fired == 1
+        status, _, _ = await raw_request(port, "GET", "/ok")
+        assert status == 200
+
+
+async def test_watch_disconnect_ignores_a_pipelined_request() -> None:
+    """Bytes of a next request during the response are no disconnect: the response
+    completes and the pipelined request is answered on the same connection."""
+    app = _App()
+    async with serving(app) as (port, _, _):
+        stream = await _open(port)
+        await stream.send_all(b"GET /watch HTTP/1.1\r\nhost: x\r\n\r\n")
+        with trio.fail_after(10):
+            await app.streaming.wait()
+            await stream.send_all(b"GET /next HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            await trio.sleep(0.2)
+            assert app.watch_fired == 0
+            app.release.set()
+            data = await _read_until_closed(stream)
+    assert app.watch_fired == 0
+    assert data.count(b"HTTP/1.1 200 OK") == 2
+    assert b"x-path: /next" in data
+
+
+async def test_watch_disconnect_stopped_does_not_call_back() -> None:
+    app = _App()
+    async with serving(app) as (port, _, _):
+        stream = await _open(port)
+        await stream.send_all(b"GET /watch HTTP/1.1\r\nhost: x\r\n\r\n")
+        with trio.fail_after(10):
+            await app.streaming.wait()
+            app.release.set()  # stop() runs, then the last body goes out
+            data = b""
+            while not data.endswith(b"0\r\n\r\n"):
+                data += await stream.receive_some(65536)
+            await stream.aclose()
+            await trio.sleep(0.2)
+        assert app.watch_fired == 0
         status, _, _ = await raw_request(port, "GET", "/ok")
         assert status == 200
 

@@ -1,8 +1,9 @@
 """The ASGI application: routing, auth, body limits, request lifetimes, health, metrics.
 
 One `OpenAIServer` serves one text frontend. Every generation request runs in a
-task group of its own: the request's body task and a watcher that waits for the
-client's ``http.disconnect``; a disconnect cancels the group, and leaving the
+cancel scope that a disconnect cancels: the HTTP server's own callback where it offers
+one (`WATCH_DISCONNECT`: our h11 server), else a watcher task beside the request's,
+waiting for the client's ``http.disconnect``; a disconnect cancels the scope, and leaving the
 frontend's ``generate`` block aborts the request on the engine at once. Nothing here
 starts a task that outlives the request that started it.
 """
@@ -15,6 +16,7 @@ import math
 import secrets
 import time
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import TYPE_CHECKING, Final, Protocol
 
 import anyio
@@ -26,6 +28,7 @@ from .._version import __version__
 from . import _embeddings
 from ._decode import RequestKind, check_json, decode_request, decode_struct
 from ._http import (
+    WATCH_DISCONNECT,
     ASGIReceive,
     ASGISend,
     ClientDisconnected,
@@ -199,8 +202,10 @@ class OpenAIServer:
             "/metrics": ("GET", self._metrics),
         }
         if "generate" in self.supported_tasks:
-            self._routes["/v1/completions"] = ("POST", self._completions)
-            self._routes["/v1/chat/completions"] = ("POST", self._chat)
+            # partial, not a method per route: one coroutine frame fewer that every
+            # streamed token's wake-up passes through
+            self._routes["/v1/completions"] = ("POST", partial(self._generation, "completion"))
+            self._routes["/v1/chat/completions"] = ("POST", partial(self._generation, "chat"))
         if "embed" in self.supported_tasks:
             self._routes["/v1/embeddings"] = ("POST", self._embeddings)
         if allow_runtime_lora_updating is None:
@@ -429,12 +434,6 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ generation
 
-    async def _completions(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
-        return await self._generation("completion", scope, receive, send)
-
-    async def _chat(self, scope: Scope, receive: ASGIReceive, send: ASGISend) -> int:
-        return await self._generation("chat", scope, receive, send)
-
     async def _generation(
         self, kind: RequestKind, scope: Scope, receive: ASGIReceive, send: ASGISend
     ) -> int:
@@ -475,24 +474,12 @@ class OpenAIServer:
         self.metrics.request_started()
         outcome = _Outcome()
         try:
-            if sniffio.current_async_library() == "trio":
-                # trio's own nursery: anyio's task group costs more per request
-                # (docs/performance.md, figures from source comments).
-                import trio
-
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, outcome)
-                    try:
-                        await self._run_in_grace(entry, kind, plan, send, received, outcome)
-                    finally:
-                        nursery.cancel_scope.cancel()
-            else:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, outcome)
-                    try:
-                        await self._run_in_grace(entry, kind, plan, send, received, outcome)
-                    finally:
-                        tg.cancel_scope.cancel()
+            await _until_disconnect(
+                scope,
+                receive,
+                outcome,
+                lambda: self._run_in_grace(entry, kind, plan, send, received, outcome),
+            )
             return outcome.status  # 0 after a disconnect: nobody to answer
         finally:
             del self._open[key]
@@ -744,6 +731,20 @@ class _Timing:
     def outputs(self, outs: Sequence[RequestOutput]) -> None:
         """Outputs taken together: the first with tokens is timed, the others of the
         batch came with it (inter-token latency 0 here)."""
+        if len(outs) == 1 and len(outs[0].outputs) == 1:  # the common case, one pass
+            o = outs[0].outputs[0]
+            if o.finish_reason is not None:
+                self.reason = o.finish_reason
+            if not o.token_ids:
+                return
+            now = time.perf_counter()
+            if self.first:
+                self.first = False
+                self.metrics.first_token(now - self.received)
+            else:
+                self.metrics.inter_token(now - self.last)
+            self.last = now
+            return
         with_tokens = 0
         for out in outs:
             for o in out.outputs:
@@ -776,6 +777,49 @@ class _Timing:
 
 class _Cancellable(Protocol):
     def cancel(self) -> None: ...
+
+
+async def _until_disconnect(
+    scope: Scope, receive: ASGIReceive, outcome: _Outcome, run: Callable[[], Awaitable[None]]
+) -> None:
+    """``run()``, cancelled if the client goes away before the response is complete
+    (``outcome``). With the HTTP server's ``WATCH_DISCONNECT`` extension (our h11
+    server) the server calls back and no task is started; otherwise a watcher task in a
+    task group waits in ``receive()`` for ``http.disconnect``."""
+    extensions = scope.get("extensions")
+    watch = extensions.get(WATCH_DISCONNECT) if extensions else None
+    if watch is not None:  # only serve_h11 offers it: trio
+        import trio
+
+        with trio.CancelScope() as cancel_scope:
+
+            def gone() -> None:
+                if not outcome.complete:
+                    cancel_scope.cancel()
+
+            stop = watch(gone)
+            try:
+                await run()
+            finally:
+                stop()
+    elif sniffio.current_async_library() == "trio":
+        # trio's own nursery: anyio's task group costs more per request
+        # (docs/performance.md, figures from source comments).
+        import trio
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, outcome)
+            try:
+                await run()
+            finally:
+                nursery.cancel_scope.cancel()
+    else:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, outcome)
+            try:
+                await run()
+            finally:
+                tg.cancel_scope.cancel()
 
 
 async def _watch_disconnect(receive: ASGIReceive, scope: _Cancellable, outcome: _Outcome) -> None:

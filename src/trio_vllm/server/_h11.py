@@ -17,6 +17,10 @@ Behaviour kept from hypercorn's worker, as the server tests check it:
 * ``http.disconnect`` reaches the app as soon as the client goes away while a response
   is in flight (the app's watcher calls ``receive()`` after the body, which then reads
   the socket), and also once the response is complete;
+* or, without a task per request: an app may instead register a callback with the
+  scope's ``WATCH_DISCONNECT`` extension (`_DisconnectWatch`: one epoll set of such
+  sockets for the whole server, watched by one task, the peer's FIN or reset waking
+  it), as ``trio-vllm serve``'s generation endpoints do;
 * a malformed request gets 400 (431 for an oversized head) and the connection closes;
 * on ``shutdown_trigger``: the listener closes, idle connections close, a connection
   with a request in flight closes after its response, and what is still running after
@@ -31,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import select
 import socket as _stdlib_socket
 import time
 from email.utils import formatdate
@@ -41,6 +46,8 @@ from urllib.parse import unquote
 import h11
 import trio
 from trio.lowlevel import wait_readable, wait_writable
+
+from ._http import WATCH_DISCONNECT
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -64,6 +71,7 @@ _DISCONNECT = {"type": "http.disconnect"}
 _EMPTY_BODY = {"type": "http.request", "body": b"", "more_body": False}
 _SERVER = (b"server", b"trio-vllm")
 _REASONS = {int(s): s.phrase.encode() for s in HTTPStatus}
+_END = h11.EndOfMessage()  # events are immutable: one for every response
 
 
 class _Date:
@@ -86,6 +94,57 @@ class _Date:
 _DATE = _Date()
 
 
+class _DisconnectWatch:
+    """The sockets whose apps asked to hear of the client going away (the
+    ``WATCH_DISCONNECT`` extension), in one epoll set (peer FIN, reset or error; not
+    data: a pipelined next request stays in the kernel until its turn), watched by one
+    task for the whole server: per request two ``epoll_ctl`` calls, instead of a task
+    waiting in ``receive()`` and its cancellation."""
+
+    def __init__(self) -> None:
+        self.epoll = select.epoll()
+        self.watched: dict[int, tuple[_Connection, Callable[[], object]]] = {}
+
+    def watch(self, conn: _Connection, callback: Callable[[], object]) -> int:
+        fd = conn.sock.fileno()
+        if fd in self.watched:
+            raise RuntimeError("the disconnect of this exchange is watched already")
+        self.epoll.register(fd, select.EPOLLRDHUP)  # EPOLLHUP and EPOLLERR implied
+        self.watched[fd] = (conn, callback)
+        return fd
+
+    def unwatch(self, fd: int) -> None:
+        if self.watched.pop(fd, None) is not None:
+            with contextlib.suppress(OSError):
+                self.epoll.unregister(fd)
+
+    async def run(self) -> None:
+        """Call each watched socket's callback once its client has gone. Cancellation:
+        stops watching (the sockets stay registered until unwatched)."""
+        poll = self.epoll.poll
+        while True:
+            await wait_readable(self.epoll)
+            for fd, _ in poll(0):
+                self.gone(fd)
+
+    def gone(self, fd: int) -> None:
+        """The client of the watched socket ``fd`` went away: call back (once)."""
+        entry = self.watched.get(fd)
+        if entry is None:
+            return
+        self.unwatch(fd)
+        conn, callback = entry
+        conn.broken = True  # as a read that saw the end would mark it
+        try:
+            callback()
+        except Exception:
+            logger.exception("error in a disconnect callback")
+
+    def close(self) -> None:
+        self.watched.clear()
+        self.epoll.close()
+
+
 class _Server:
     """What the connections share: the app, the limits, and shutdown's state."""
 
@@ -101,6 +160,8 @@ class _Server:
         self.keep_alive_max_requests = keep_alive_max_requests
         self.access_log = access_log
         self.closing = False
+        # None: not served by serve_h11 (or no epoll here): apps use receive()
+        self.disconnects: _DisconnectWatch | None = None
         self.idle: set[_Connection] = set()  # connections waiting for a request head
         self.open = 0
         self.all_closed = trio.Event()
@@ -194,6 +255,9 @@ class _Connection:
             scope = self.reader_scope
             if scope is not None:  # the app's watcher: the client is gone
                 scope.cancel()
+            disconnects = self.server.disconnects
+            if disconnects is not None:  # or the app's WATCH_DISCONNECT callback
+                disconnects.gone(self.sock.fileno())
 
     # -------------------------------------------------------------- serving
 
@@ -269,7 +333,7 @@ class _Connection:
             )
             assert data is not None
             data += self.h11.send(h11.Data(data=body)) or b""
-            data += self.h11.send(h11.EndOfMessage()) or b""
+            data += self.h11.send(_END) or b""
         except h11.LocalProtocolError:
             return
         await self.send_all(data)
@@ -278,7 +342,10 @@ class _Connection:
         """Run the app on one request; whether the connection can take another."""
         exchange = _Exchange(self, request, last or self.server.closing)
         try:
-            await self.server.app(exchange.scope, exchange.receive, exchange.send)
+            try:
+                await self.server.app(exchange.scope, exchange.receive, exchange.send)
+            finally:
+                exchange.unwatch()  # before the socket can close (its fd be reused)
         except Exception:
             logger.exception("error in the ASGI app")
             if not exchange.head_sent:
@@ -341,11 +408,13 @@ class _Exchange:
         "request_done",
         "scope",
         "status",
+        "watched",
     )
 
     def __init__(self, conn: _Connection, request: h11.Request, last: bool) -> None:
         self.conn = conn
         self.last = last
+        self.watched = -1  # the fd watch_disconnect registered
         target = request.target
         path, _, query = target.partition(b"?")
         raw_path = path
@@ -362,7 +431,9 @@ class _Exchange:
             "headers": list(request.headers),
             "client": conn.client,
             "server": conn.local,
-            "extensions": {},
+            "extensions": {}
+            if conn.server.disconnects is None
+            else {WATCH_DISCONNECT: self.watch_disconnect},
         }
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -371,6 +442,26 @@ class _Exchange:
         self.complete = False
         self.request_done = False
         self.head_only = request.method == b"HEAD"  # h11 sends no body bytes for it
+
+    def watch_disconnect(self, callback: Callable[[], object]) -> Callable[[], None]:
+        """The ``WATCH_DISCONNECT`` extension: ``callback()`` once the client goes away
+        (from the server's watcher task), until the returned ``stop()`` is called or
+        the exchange ends. One watch per exchange."""
+        disconnects = self.conn.server.disconnects
+        assert disconnects is not None
+        if self.conn.broken:  # gone already (the body's end may have shown it)
+            callback()
+            return self.unwatch
+        self.watched = disconnects.watch(self.conn, callback)
+        return self.unwatch
+
+    def unwatch(self) -> None:
+        fd = self.watched
+        if fd >= 0:
+            self.watched = -1
+            disconnects = self.conn.server.disconnects
+            if disconnects is not None:
+                disconnects.unwatch(fd)
 
     async def receive(self) -> dict[str, Any]:
         """The request body, then ``http.disconnect`` once the client goes away (or
@@ -432,7 +523,7 @@ class _Exchange:
                 if self.complete:
                     return
                 self.complete = True
-                data = conn.h11.send(h11.EndOfMessage())
+                data = conn.h11.send(_END)
                 await conn.send_all((b"%x\r\n%b\r\n" % (len(body), body) + data) if body else data)
                 return
             if self.complete:
@@ -476,7 +567,7 @@ class _Exchange:
                 data += h.send(h11.Data(data=body)) or b""
             if not more:
                 self.complete = True
-                data += h.send(h11.EndOfMessage()) or b""
+                data += h.send(_END) or b""
             if data:
                 await conn.send_all(data)
         elif kind == "http.response.start":
@@ -508,6 +599,9 @@ async def serve_h11(
     sock.setblocking(False)
     try:
         async with trio.open_nursery() as nursery:
+            if hasattr(select, "epoll"):
+                server.disconnects = _DisconnectWatch()
+                nursery.start_soon(server.disconnects.run)
             accepting = trio.CancelScope()
             nursery.start_soon(_accept_loop, sock, server, nursery, accepting)
             task_status.started()
@@ -524,6 +618,8 @@ async def serve_h11(
             nursery.cancel_scope.cancel()
     finally:
         sock.close()
+        if server.disconnects is not None:
+            server.disconnects.close()
 
 
 async def _accept_loop(

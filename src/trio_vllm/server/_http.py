@@ -15,6 +15,7 @@ import msgspec
 from ._schemas import ErrorInfo, ErrorResponse
 
 __all__ = [
+    "WATCH_DISCONNECT",
     "ASGIReceive",
     "ASGISend",
     "ClientDisconnected",
@@ -29,6 +30,13 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 ASGIReceive = Callable[[], Awaitable[Message]]
 ASGISend = Callable[[Message], Awaitable[None]]
+
+#: The ASGI scope extension (``scope["extensions"][WATCH_DISCONNECT]``) of `serve_h11`: a
+#: callable ``watch(on_disconnect) -> stop``. ``on_disconnect()`` is called (once, from
+#: the server's event loop, without awaiting) when the client goes away (FIN or reset)
+#: before ``stop()`` is called or the exchange ends; the app then need not keep a task
+#: waiting in ``receive()`` for ``http.disconnect``. Other servers do not offer it.
+WATCH_DISCONNECT = "trio_vllm.watch_disconnect"
 
 _JSON = [(b"content-type", b"application/json")]
 _ENCODER = msgspec.json.Encoder()

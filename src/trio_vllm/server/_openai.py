@@ -32,6 +32,7 @@ from ..protocol.rules import (
     PromptInput,
     PromptText,
 )
+from ..text import random_hex
 from ..text.tools import tool_choice_constraint
 from ._http import HTTPError, encode
 from ._schemas import (
@@ -165,10 +166,10 @@ class GenerationPlan:
 
 def base_request_id(header_id: str | None, body_id: str | None) -> str:
     """vLLM's ``_base_request_id``: the ``X-Request-Id`` header, the body's
-    ``request_id``, or a fresh uuid4 hex."""
+    ``request_id``, or 32 fresh random hex digits (as a uuid4's hex)."""
     if header_id is not None:
         return header_id
-    return uuid.uuid4().hex if body_id is None else body_id
+    return random_hex(16) if body_id is None else body_id
 
 
 def _refuse(violation: Violation | None) -> None:
@@ -751,6 +752,9 @@ class _Responder:
             and plan.parsers is None
         )
         self._templates: dict[int, tuple[bytes, bytes] | None] = {}
+        # One prompt, one choice, templated: `_fast` takes an output of one completion
+        # that is not the last (the hot path; set by the subclasses).
+        self._fast: tuple[bytes, bytes] | None = None
         # (prompt, child) -> the prompt logprobs its outputs brought (non-streaming
         # responses carry them; with n > 1 each child brings the same, the first is kept)
         self._prompt_lps: dict[tuple[int, int], list[Mapping[int, Logprob] | None]] = {}
@@ -799,9 +803,23 @@ class CompletionResponder(_Responder):
         super().__init__(plan, tokenizer, fingerprint)
         self._offsets = [0] * len(self.choices)
         self._echoed = [False] * len(self.choices)
+        if self.use_templates and len(self.choices) == 1 and plan.echo_texts is None:
+            self._fast = self._completion_template(0)
 
     def on_output(self, prompt_idx: int, res: RequestOutput) -> bytes:
         """Record one DELTA output; the SSE events to send for it (streaming), else b""."""
+        fast = self._fast
+        if fast is not None and len(res.outputs) == 1:
+            # The general path's template case below, for the one choice, inlined.
+            out = res.outputs[0]
+            if out.finish_reason is None and out.index == 0:
+                choice = self.choices[0]
+                if not (out.text or out.token_ids or choice.num_tokens):
+                    return b""
+                choice.num_tokens += len(out.token_ids)
+                choice.finish_reason = None
+                choice.stop_reason = out.stop_reason
+                return fast[0] + encode(out.text) + fast[1]
         plan = self.plan
         events: list[bytes] = []
         if plan.prompt_logprobs is not None and not plan.stream:
@@ -959,6 +977,8 @@ class ChatResponder(_Responder):
         super().__init__(plan, tokenizer, fingerprint)
         self._first = True
         self._finished = [False] * plan.n
+        if self.use_templates and plan.n == 1:
+            self._fast = self._chat_template(0)
 
     def _chunk(self, choice: ChatCompletionStreamChoice) -> ChatCompletionStreamResponse:
         plan = self.plan
@@ -967,6 +987,18 @@ class ChatResponder(_Responder):
         )
 
     def on_output(self, prompt_idx: int, res: RequestOutput) -> bytes:
+        fast = self._fast
+        if fast is not None and not self._first and len(res.outputs) == 1:
+            # The general path's template case below, for the one choice, inlined.
+            out = res.outputs[0]
+            if out.finish_reason is None and out.index == 0 and not self._finished[0]:
+                choice = self.choices[0]
+                if not (out.text or out.token_ids or choice.num_tokens):
+                    return b""
+                choice.num_tokens += len(out.token_ids)
+                choice.finish_reason = None
+                choice.stop_reason = out.stop_reason
+                return fast[0] + encode(out.text) + fast[1]
         plan = self.plan
         events: list[bytes] = []
         if plan.prompt_logprobs is not None and not plan.stream:

@@ -21,6 +21,7 @@ from ._input import DEFAULT_MAX_LOGPROBS as DEFAULT_MAX_LOGPROBS
 from ._input import InputProcessor as InputProcessor
 from ._input import ProcessedRequest as ProcessedRequest
 from ._input import internal_request_id as internal_request_id
+from ._input import random_hex as random_hex
 from ._input import random_uuid as random_uuid
 from ._logprobs import LogprobsProcessor as LogprobsProcessor
 from ._output import OutputProcessor as OutputProcessor
@@ -88,6 +89,7 @@ __all__ = [
     "normalize_messages",
     "pooling_model_of",
     "prepare_pooling",
+    "random_hex",
     "random_uuid",
     "render_chat_template",
     "resolve_model_dir",
