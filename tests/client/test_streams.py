@@ -438,6 +438,28 @@ async def test_receive_batch_raises_the_error_after_buffered_outputs() -> None:
         await stream.receive_batch()
 
 
+async def test_put_many_queues_in_order_and_wakes_the_parked_consumer() -> None:
+    """The receive loop's queueing of a run of raw messages: one call, the items in
+    order after what was queued, a parked consumer woken; nothing once ended."""
+    box: Mailbox[int] = Mailbox()
+    got: list[int] = []
+
+    async def consume() -> None:
+        got.extend(await box.receive_batch())
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await anyio.wait_all_tasks_blocked()
+            box.put_many([1, 2])
+    assert got == [1, 2]
+    box.put_nowait(3)
+    box.put_many([4, 5])
+    box.end()
+    box.put_many([6])
+    assert await box.receive_batch() == [3, 4, 5]
+
+
 async def test_mailbox_receive_batch_and_end() -> None:
     box: Mailbox[int] = Mailbox()
     for i in range(3):
