@@ -63,6 +63,26 @@ def test_coalesce_keeps_newest_ndarray_fields() -> None:
     assert stream._pending[-1].routed_experts is experts
 
 
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"routed_experts": np.array([0], dtype=np.int32)},  # == None: array([False])
+        {"routed_experts": np.zeros((0,), dtype=np.int32)},  # == None: an empty array
+        {"kv_transfer_params": {"k": 1}},
+        {"trace_headers": {}},  # falsy, not nil: kept
+    ],
+)
+def test_merge_keeps_every_non_nil_field_whatever_its_equality(field: dict[str, object]) -> None:
+    """The all-nil test is one tuple comparison; any value that is not None, whatever
+    its ``== None`` says (elementwise, empty, falsy), still reaches the merge."""
+    ((name, value),) = field.items()
+    merged = coalesce_outputs(_out([1], kv_transfer_params={"old": 0}), _out([2], **field))
+    assert getattr(merged, name) is value
+    assert merged.new_token_ids == [1, 2]
+    plain = coalesce_outputs(_out([1], kv_transfer_params={"old": 0}), _out([2]))
+    assert plain.kv_transfer_params == {"old": 0}  # nil fields of the newer keep the older
+
+
 async def test_stream_bounded_and_lossless() -> None:
     stream = RequestStream("r", 0, max_pending=3)
     for i in range(100):
