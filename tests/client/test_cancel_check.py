@@ -176,3 +176,26 @@ async def test_take_now_hands_out_only_what_needs_no_await() -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(body)
     assert taken == [None, 1, None, 2, 3]
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_main_task_outside_any_scope_takes_the_fast_path(backend: str) -> None:
+    """anyio.run's main task before it enters any scope (on asyncio: a task state with
+    no cancel scope) is not cancelled: the predicate says so itself, as anyio's own call
+    finds, instead of sending every buffered receive to that call; a scope it enters
+    and cancels is still seen."""
+
+    async def main() -> list[object]:
+        box: Mailbox[int] = Mailbox()
+        for item in (1, 2, 3):
+            box.put_nowait(item)
+        pending = _cancel.backend_pending()
+        answers: list[object] = [pending(), await box.receive(), box.take_now()]
+        with anyio.CancelScope() as scope:  # noqa: ASYNC100 (the predicate reads it)
+            scope.cancel()
+            answers += [pending(), box.take_now()]
+        answers += [pending(), box.take_now()]
+        return answers
+
+    answers = anyio.run(main, backend=backend)
+    assert answers == [False, 1, 2, True, None, False, 3]

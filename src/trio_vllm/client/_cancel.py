@@ -134,9 +134,12 @@ def asyncio_pending() -> Callable[[], bool]:
         # Read anew on every call: anyio replaces a task's state only when the task
         # starts or ends, but reading it costs one dict lookup with the kept key.
         state = data.get(key)
-        scope = None if state is None else state.cancel_scope
-        if scope is None:
+        if state is None:
             return True  # a task anyio does not know: its call decides
+        # No scope at all (the main task of anyio.run outside any scope): nothing of
+        # anyio's can cancel it, which is what anyio's own call finds there too (it
+        # walks the same None and returns); it was sent to that call on every receive.
+        scope = state.cancel_scope
         while scope is not None:
             if scope._cancel_called:
                 return True  # cancelled: anyio's call raises
