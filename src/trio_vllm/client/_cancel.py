@@ -120,20 +120,31 @@ def asyncio_pending() -> Callable[[], bool]:
     by_loop = vars(asyncio.tasks).get("_current_tasks")
     if isinstance(current_task, types.BuiltinFunctionType) or not isinstance(by_loop, dict):
         by_loop = None
+    task_of = None if by_loop is None else by_loop.get  # bound once
+    return _asyncio_pending(data, task_of, current_task)
+
+
+def _asyncio_pending(
+    data: Any, task_of: Any, current_task: Callable[[], asyncio.Task[Any] | None]
+) -> Callable[[], bool]:
+    """`asyncio_pending`'s predicate over anyio's task states ``data``: the calling task
+    is ``task_of(running loop)`` (asyncio's loop -> task dict's get), or, without it,
+    ``current_task()``. Bound methods throughout: this runs on every buffered receive."""
     get_loop = asyncio._get_running_loop  # C; None outside a loop
     ref = weakref.ref
+    get_state = data.get  # bound once: anyio's {weakref(task): TaskState}
     key: weakref.ref[asyncio.Task[Any]] | None = None
 
     def pending() -> bool:
         nonlocal key
-        task = current_task() if by_loop is None else by_loop.get(get_loop())
+        task = current_task() if task_of is None else task_of(get_loop())
         if key is None or key() is not task:
             if task is None:
                 return True
             key = ref(task)
         # Read anew on every call: anyio replaces a task's state only when the task
         # starts or ends, but reading it costs one dict lookup with the kept key.
-        state = data.get(key)
+        state = get_state(key)
         if state is None:
             return True  # a task anyio does not know: its call decides
         # No scope at all (the main task of anyio.run outside any scope): nothing of
