@@ -393,7 +393,13 @@ class _OutputRouting(Generic[S, C]):
         (the shell makes that the client's death). The shell may offer each message
         to `receive_whole` first (the same result, without the action list).
         """
-        if outputs is not None and self.receive_wholes((outputs,)):
+        # receive_wholes' first test inline: with a stream registered (the stream
+        # path's every message) it is no call at all.
+        if (
+            outputs is not None
+            and len(self._requests) == self._raw_live
+            and self.receive_wholes((outputs,))
+        ):
             return [QueueRaw(outputs)]
         if self.death is not None:
             return []
@@ -439,7 +445,7 @@ class _OutputRouting(Generic[S, C]):
                 return actions
         requests = self._requests
         outs = outputs.outputs
-        raw: list[EngineCoreOutput] = []
+        raw: list[EngineCoreOutput] | None = None  # made for a raw output only
         for output in outs:
             # A subscript, not get(): the per-output step of every stream (a late output,
             # the exception, is rare; get() is a method call, ~10-20 ns more per output).
@@ -455,6 +461,8 @@ class _OutputRouting(Generic[S, C]):
                 if final:
                     actions.extend(self._release(req))
             else:
+                if raw is None:
+                    raw = []
                 raw.append(output)
                 if final:
                     del requests[output.request_id]
@@ -468,6 +476,8 @@ class _OutputRouting(Generic[S, C]):
             )
             and self._raw_interest()
         ):
+            if raw is None:
+                raw = []
             if len(raw) != len(outputs.outputs):
                 outputs = msgspec.structs.replace(outputs, outputs=raw)
             actions.append(QueueRaw(outputs))
