@@ -83,6 +83,32 @@ def test_merge_keeps_every_non_nil_field_whatever_its_equality(field: dict[str, 
     assert plain.kv_transfer_params == {"old": 0}  # nil fields of the newer keep the older
 
 
+def test_deliver_merges_plain_and_rich_outputs_alike() -> None:
+    """A lagging stream merges an output of token ids and a finish itself and any other
+    through _merge_into; either way the newest buffered output ends as coalesce_outputs
+    would make it (tokens in order, the newest finish and stop reason, fields kept)."""
+    outputs = [
+        _out([1]),
+        _out([2], kv_transfer_params={"k": 1}),  # not plain: _merge_into
+        _out([3]),  # plain, after a rich one
+        _out([4], stop_reason="x"),
+        _out([5], 1, stop_reason=7),  # the final output, plain
+    ]
+    expected = outputs[0]
+    for output in outputs[1:]:
+        expected = coalesce_outputs(expected, output)  # leaves its arguments unchanged
+    stream = RequestStream("r", 0, max_pending=1)
+    for output in outputs:
+        stream.deliver(output)  # merges into outputs[0], in place
+    (merged,) = stream._pending
+    assert merged == expected
+    assert merged.new_token_ids == [1, 2, 3, 4, 5]
+    assert (merged.finish_reason, merged.stop_reason) == (1, 7)
+    assert merged.kv_transfer_params == {"k": 1}
+    assert stream.coalesced == 4
+    assert stream.finished
+
+
 async def test_stream_bounded_and_lossless() -> None:
     stream = RequestStream("r", 0, max_pending=3)
     for i in range(100):
