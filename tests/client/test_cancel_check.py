@@ -4,6 +4,8 @@ anyio's public ``checkpoint_if_cancelled`` in every scope arrangement, on both b
 
 from __future__ import annotations
 
+import threading
+
 import anyio
 import pytest
 import sniffio
@@ -199,3 +201,35 @@ def test_the_main_task_outside_any_scope_takes_the_fast_path(backend: str) -> No
 
     answers = anyio.run(main, backend=backend)
     assert answers == [False, 1, 2, True, None, False, 3]
+
+
+def test_an_asyncio_predicate_elsewhere_reads_the_calling_task() -> None:
+    """The asyncio predicate keeps the loop it was made in (no running-loop lookup per
+    call); from a later loop in the same thread it knows no task and defers to the
+    public call (True), and from another thread's loop it reads that thread's task."""
+    made: list[object] = []
+
+    async def make() -> None:
+        made.append(_cancel.asyncio_pending())
+
+    anyio.run(make, backend="asyncio")
+    pending = made[0]
+    assert pending is not _cancel._always  # the known anyio release
+
+    async def ask() -> list[object]:
+        async with anyio.create_task_group():  # a task anyio knows, in a scope
+            answers = [pending()]  # type: ignore[operator]
+            with anyio.CancelScope() as scope:  # noqa: ASYNC100 (the predicate reads it)
+                scope.cancel()
+                answers.append(pending())  # type: ignore[operator]
+            return answers
+
+    assert anyio.run(ask, backend="asyncio") == [True, True]  # a later loop: defer
+
+    results: list[object] = []
+    thread = threading.Thread(target=lambda: results.append(anyio.run(ask, backend="asyncio")))
+    anyio.run(make, backend="asyncio")  # made in this thread's loop, used in another's
+    pending = made[1]
+    thread.start()
+    thread.join(10)
+    assert results == [[False, True]]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import types
 import weakref
 from typing import TYPE_CHECKING, Any, Final
@@ -128,16 +129,33 @@ def _asyncio_pending(
     data: Any, task_of: Any, current_task: Callable[[], asyncio.Task[Any] | None]
 ) -> Callable[[], bool]:
     """`asyncio_pending`'s predicate over anyio's task states ``data``: the calling task
-    is ``task_of(running loop)`` (asyncio's loop -> task dict's get), or, without it,
-    ``current_task()``. Bound methods throughout: this runs on every buffered receive."""
+    is ``task_of(loop)`` (asyncio's loop -> task dict's get), or, without it,
+    ``current_task()``. Bound methods throughout: this runs on every buffered receive.
+
+    ``loop`` is the loop running when the predicate is made (the consumer's), taken
+    for the running one while the call comes from the same thread: asyncio's
+    ``_get_running_loop`` makes a ``getpid()`` system call each time (~70 ns, its fork
+    check). Sound because a thread runs at most one asyncio loop at a time and asyncio's
+    dict holds a loop's task only while a step of that task runs: called from a task
+    of ``loop``, ``task_of(loop)`` is the caller; called from anywhere else in this
+    thread (a callback, a later loop), it is None, and None goes to the public call.
+    From another thread the running loop is asked as before."""
     get_loop = asyncio._get_running_loop  # C; None outside a loop
+    get_ident = threading.get_ident
+    loop = get_loop()
+    thread = get_ident() if loop is not None else None
     ref = weakref.ref
     get_state = data.get  # bound once: anyio's {weakref(task): TaskState}
     key: weakref.ref[asyncio.Task[Any]] | None = None
 
     def pending() -> bool:
         nonlocal key
-        task = current_task() if task_of is None else task_of(get_loop())
+        if task_of is None:
+            task = current_task()
+        elif get_ident() == thread:
+            task = task_of(loop)
+        else:
+            task = task_of(get_loop())
         if key is None or key() is not task:
             if task is None:
                 return True
