@@ -4,6 +4,8 @@ anyio's public ``checkpoint_if_cancelled`` in every scope arrangement, on both b
 
 from __future__ import annotations
 
+import threading
+
 import anyio
 import pytest
 import sniffio
@@ -176,3 +178,58 @@ async def test_take_now_hands_out_only_what_needs_no_await() -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(body)
     assert taken == [None, 1, None, 2, 3]
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_main_task_outside_any_scope_takes_the_fast_path(backend: str) -> None:
+    """anyio.run's main task before it enters any scope (on asyncio: a task state with
+    no cancel scope) is not cancelled: the predicate says so itself, as anyio's own call
+    finds, instead of sending every buffered receive to that call; a scope it enters
+    and cancels is still seen."""
+
+    async def main() -> list[object]:
+        box: Mailbox[int] = Mailbox()
+        for item in (1, 2, 3):
+            box.put_nowait(item)
+        pending = _cancel.backend_pending()
+        answers: list[object] = [pending(), await box.receive(), box.take_now()]
+        with anyio.CancelScope() as scope:  # noqa: ASYNC100 (the predicate reads it)
+            scope.cancel()
+            answers += [pending(), box.take_now()]
+        answers += [pending(), box.take_now()]
+        return answers
+
+    answers = anyio.run(main, backend=backend)
+    assert answers == [False, 1, 2, True, None, False, 3]
+
+
+def test_an_asyncio_predicate_elsewhere_reads_the_calling_task() -> None:
+    """The asyncio predicate keeps the loop it was made in (no running-loop lookup per
+    call); from a later loop in the same thread it knows no task and defers to the
+    public call (True), and from another thread's loop it reads that thread's task."""
+    made: list[object] = []
+
+    async def make() -> None:
+        made.append(_cancel.asyncio_pending())
+
+    anyio.run(make, backend="asyncio")
+    pending = made[0]
+    assert pending is not _cancel._always  # the known anyio release
+
+    async def ask() -> list[object]:
+        async with anyio.create_task_group():  # a task anyio knows, in a scope
+            answers = [pending()]  # type: ignore[operator]
+            with anyio.CancelScope() as scope:  # noqa: ASYNC100 (the predicate reads it)
+                scope.cancel()
+                answers.append(pending())  # type: ignore[operator]
+            return answers
+
+    assert anyio.run(ask, backend="asyncio") == [True, True]  # a later loop: defer
+
+    results: list[object] = []
+    thread = threading.Thread(target=lambda: results.append(anyio.run(ask, backend="asyncio")))
+    anyio.run(make, backend="asyncio")  # made in this thread's loop, used in another's
+    pending = made[1]
+    thread.start()
+    thread.join(10)
+    assert results == [[False, True]]

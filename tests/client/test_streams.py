@@ -63,6 +63,52 @@ def test_coalesce_keeps_newest_ndarray_fields() -> None:
     assert stream._pending[-1].routed_experts is experts
 
 
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"routed_experts": np.array([0], dtype=np.int32)},  # == None: array([False])
+        {"routed_experts": np.zeros((0,), dtype=np.int32)},  # == None: an empty array
+        {"kv_transfer_params": {"k": 1}},
+        {"trace_headers": {}},  # falsy, not nil: kept
+    ],
+)
+def test_merge_keeps_every_non_nil_field_whatever_its_equality(field: dict[str, object]) -> None:
+    """The all-nil test is one tuple comparison; any value that is not None, whatever
+    its ``== None`` says (elementwise, empty, falsy), still reaches the merge."""
+    ((name, value),) = field.items()
+    merged = coalesce_outputs(_out([1], kv_transfer_params={"old": 0}), _out([2], **field))
+    assert getattr(merged, name) is value
+    assert merged.new_token_ids == [1, 2]
+    plain = coalesce_outputs(_out([1], kv_transfer_params={"old": 0}), _out([2]))
+    assert plain.kv_transfer_params == {"old": 0}  # nil fields of the newer keep the older
+
+
+def test_deliver_merges_plain_and_rich_outputs_alike() -> None:
+    """A lagging stream merges an output of token ids and a finish itself and any other
+    through _merge_into; either way the newest buffered output ends as coalesce_outputs
+    would make it (tokens in order, the newest finish and stop reason, fields kept)."""
+    outputs = [
+        _out([1]),
+        _out([2], kv_transfer_params={"k": 1}),  # not plain: _merge_into
+        _out([3]),  # plain, after a rich one
+        _out([4], stop_reason="x"),
+        _out([5], 1, stop_reason=7),  # the final output, plain
+    ]
+    expected = outputs[0]
+    for output in outputs[1:]:
+        expected = coalesce_outputs(expected, output)  # leaves its arguments unchanged
+    stream = RequestStream("r", 0, max_pending=1)
+    for output in outputs:
+        stream.deliver(output)  # merges into outputs[0], in place
+    (merged,) = stream._pending
+    assert merged == expected
+    assert merged.new_token_ids == [1, 2, 3, 4, 5]
+    assert (merged.finish_reason, merged.stop_reason) == (1, 7)
+    assert merged.kv_transfer_params == {"k": 1}
+    assert stream.coalesced == 4
+    assert stream.finished
+
+
 async def test_stream_bounded_and_lossless() -> None:
     stream = RequestStream("r", 0, max_pending=3)
     for i in range(100):
@@ -436,6 +482,28 @@ async def test_receive_batch_raises_the_error_after_buffered_outputs() -> None:
     assert [out.new_token_ids for out in await stream.receive_batch()] == [[1], [2]]
     with pytest.raises(EngineDeadError):
         await stream.receive_batch()
+
+
+async def test_put_many_queues_in_order_and_wakes_the_parked_consumer() -> None:
+    """The receive loop's queueing of a run of raw messages: one call, the items in
+    order after what was queued, a parked consumer woken; nothing once ended."""
+    box: Mailbox[int] = Mailbox()
+    got: list[int] = []
+
+    async def consume() -> None:
+        got.extend(await box.receive_batch())
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await anyio.wait_all_tasks_blocked()
+            box.put_many([1, 2])
+    assert got == [1, 2]
+    box.put_nowait(3)
+    box.put_many([4, 5])
+    box.end()
+    box.put_many([6])
+    assert await box.receive_batch() == [3, 4, 5]
 
 
 async def test_mailbox_receive_batch_and_end() -> None:

@@ -146,6 +146,39 @@ def test_receive_whole_refuses_after_death_and_for_a_lost_rank() -> None:
     assert not session.receive_whole(batch(0, out("r", 1)))
 
 
+def test_receive_wholes_takes_the_leading_run_and_stops_where_receive_must_route() -> None:
+    """The run form of receive_whole: how many messages from ``start`` it takes (the
+    bookkeeping of each done, ranks checked per rank), stopping at the first one
+    receive must see (ENGINE_CORE_DEAD, a finish, a lost rank), which stays untouched."""
+    from trio_vllm.protocol.structs import EngineCoreDead
+
+    session = ClientSession([0, 1], on_engine_death="continue")
+    started(session, "r0", rank=0)
+    started(session, "r1", rank=1)
+    stats = SchedulerStats(num_running_reqs=1, num_waiting_reqs=3)
+    messages: list[Any] = [
+        batch(0, out("r0", 1)),
+        batch(1, out("r1", 2), scheduler_stats=stats),
+        batch(0, out("r0", 3)),
+        batch(0, out("r0", 4, final=True)),  # a finish: receive's
+        batch(1, out("r1", 5)),
+        EngineCoreDead(),
+        batch(1, out("r1", 6)),
+    ]
+    assert session.receive_wholes(messages) == 3
+    assert (session.heard(0), session.heard(1)) == (2, 1)
+    assert session.receive_wholes(messages, 3) == 0  # nothing counted for the finish
+    assert session.heard(0) == 2
+    assert kinds(session.receive(messages[3])) == ["QueueRaw"]
+    assert session.receive_wholes(messages, 4) == 1  # up to ENGINE_CORE_DEAD
+    assert session.receive_wholes(messages, 5) == 0
+    assert session.receive_wholes(messages, 6) == 1
+    assert session.receive_wholes(messages, 7) == 0  # past the end
+    session.rank_died(1, "gone", None)
+    assert session.receive_wholes([batch(1, out("r1", 7))]) == 0  # a lost rank
+    assert session.heard(1) == 3
+
+
 def test_late_outputs_after_an_abort_are_dropped() -> None:
     session = ClientSession([0, 1])
     stream = object()

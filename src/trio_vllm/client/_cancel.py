@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import types
 import weakref
 from typing import TYPE_CHECKING, Any, Final
@@ -120,23 +121,54 @@ def asyncio_pending() -> Callable[[], bool]:
     by_loop = vars(asyncio.tasks).get("_current_tasks")
     if isinstance(current_task, types.BuiltinFunctionType) or not isinstance(by_loop, dict):
         by_loop = None
+    task_of = None if by_loop is None else by_loop.get  # bound once
+    return _asyncio_pending(data, task_of, current_task)
+
+
+def _asyncio_pending(
+    data: Any, task_of: Any, current_task: Callable[[], asyncio.Task[Any] | None]
+) -> Callable[[], bool]:
+    """`asyncio_pending`'s predicate over anyio's task states ``data``: the calling task
+    is ``task_of(loop)`` (asyncio's loop -> task dict's get), or, without it,
+    ``current_task()``. Bound methods throughout: this runs on every buffered receive.
+
+    ``loop`` is the loop running when the predicate is made (the consumer's), taken
+    for the running one while the call comes from the same thread: asyncio's
+    ``_get_running_loop`` makes a ``getpid()`` system call each time (~70 ns, its fork
+    check). Sound because a thread runs at most one asyncio loop at a time and asyncio's
+    dict holds a loop's task only while a step of that task runs: called from a task
+    of ``loop``, ``task_of(loop)`` is the caller; called from anywhere else in this
+    thread (a callback, a later loop), it is None, and None goes to the public call.
+    From another thread the running loop is asked as before."""
     get_loop = asyncio._get_running_loop  # C; None outside a loop
+    get_ident = threading.get_ident
+    loop = get_loop()
+    thread = get_ident() if loop is not None else None
     ref = weakref.ref
+    get_state = data.get  # bound once: anyio's {weakref(task): TaskState}
     key: weakref.ref[asyncio.Task[Any]] | None = None
 
     def pending() -> bool:
         nonlocal key
-        task = current_task() if by_loop is None else by_loop.get(get_loop())
+        if task_of is None:
+            task = current_task()
+        elif get_ident() == thread:
+            task = task_of(loop)
+        else:
+            task = task_of(get_loop())
         if key is None or key() is not task:
             if task is None:
                 return True
             key = ref(task)
         # Read anew on every call: anyio replaces a task's state only when the task
         # starts or ends, but reading it costs one dict lookup with the kept key.
-        state = data.get(key)
-        scope = None if state is None else state.cancel_scope
-        if scope is None:
+        state = get_state(key)
+        if state is None:
             return True  # a task anyio does not know: its call decides
+        # No scope at all (the main task of anyio.run outside any scope): nothing of
+        # anyio's can cancel it, which is what anyio's own call finds there too (it
+        # walks the same None and returns); it was sent to that call on every receive.
+        scope = state.cancel_scope
         while scope is not None:
             if scope._cancel_called:
                 return True  # cancelled: anyio's call raises
@@ -186,6 +218,33 @@ def _trio_pending_for(trio: Any) -> Callable[[], bool]:
         return _always
     if not isinstance(probe[0], bool) or not isinstance(probe[3], int):
         return _always
+    # The calling task as current_task reads it (trio's run context, a thread-local),
+    # without current_task's Python frame: one call per buffered receive less.
+    context: Any
+    try:
+        from trio._core._run_context import GLOBAL_RUN_CONTEXT as context
+    except ImportError:
+        context = None
+    if getattr(context, "task", None) is not task:
+        return _trio_pending_calling(current_task)
+
+    def trio_pending() -> bool:
+        try:
+            task = context.task
+        except AttributeError:
+            return True  # not in a trio task: the public call says what is wrong
+        if task._cancel_status.effectively_cancelled or (
+            task is task._runner.main_task and task._runner.ki_pending
+        ):
+            return True  # trio's call yields and raises
+        task._cancel_points += 1  # what trio's call counts when it does not yield
+        return False
+
+    return trio_pending
+
+
+def _trio_pending_calling(current_task: Callable[[], Any]) -> Callable[[], bool]:
+    """`trio_pending` through trio's public current_task (its run context not found)."""
 
     def trio_pending() -> bool:
         task = current_task()

@@ -202,7 +202,7 @@ class EngineCoreClient(NamedUtilities):
             self._sockets,
             self._wire,
             self._apply,
-            self._queue_raw,
+            self._raw.put_many,
             lambda: self._scaling.join,
             processes=self._processes,
             hang_timeout=parts.hang_timeout,

@@ -198,6 +198,15 @@ class Mailbox(Generic[T]):
             if self._waiting:  # only a waiting consumer needs waking
                 self._wakeup.set()
 
+    def put_many(self, items: list[T]) -> None:
+        """`put_nowait` of every item of ``items``, in order, with one wake-up check:
+        the receive loop's queueing of a receive batch's raw messages (one call per
+        batch, not per message)."""
+        if not self._ended:
+            self._pending.extend(items)
+            if self._waiting:
+                self._wakeup.set()
+
     def _notify(self) -> None:
         if self._waiting:
             self._wakeup.set()

@@ -41,13 +41,18 @@ _SPECIAL = frozenset(
 _KEEP_FIRST = frozenset(
     {"new_prompt_logprobs_tensors", "prefill_stats", "prompt_token_id_logprobs"}
 )
-_other_fields_cache: dict[type, tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]] = {}
+_other_fields_cache: dict[
+    type, tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]], tuple[None, ...]]
+] = {}
 
 
-def _other_fields(cls: type) -> tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]:
-    """The fields merged by "newest non-nil wins", and a getter of their values as a
-    tuple (one C call: most outputs carry none of them, and a getattr per field was
-    the largest part of a merge)."""
+def _other_fields(
+    cls: type,
+) -> tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]], tuple[None, ...]]:
+    """The fields merged by "newest non-nil wins", a getter of their values as a tuple
+    (one C call: most outputs carry none of them, and a getattr per field was the
+    largest part of a merge), and that many Nones (to test all of them in one C
+    comparison)."""
     cached = _other_fields_cache.get(cls)
     if cached is None:
         names: tuple[str, ...] = getattr(cls, "__struct_fields__", ())
@@ -59,7 +64,7 @@ def _other_fields(cls: type) -> tuple[tuple[str, ...], Callable[[Any], tuple[Any
             def getter(obj: Any, fields: tuple[str, ...] = fields) -> tuple[Any, ...]:
                 return tuple(getattr(obj, n) for n in fields)
 
-        cached = _other_fields_cache[cls] = (fields, getter)
+        cached = _other_fields_cache[cls] = (fields, getter, (None,) * len(fields))
     return cached
 
 
@@ -106,15 +111,18 @@ def _merge_into(a: Any, b: Any, lp_parts: list[Any] | None) -> list[Any] | None:
     nans = b.num_nans_in_logits
     if nans:
         a.num_nans_in_logits = (a.num_nans_in_logits or 0) + nans
-    fields, getter = _other_fields(type(b))
+    cached = _other_fields_cache.get(type(b))
+    fields, getter, nones = _other_fields(type(b)) if cached is None else cached
     values = getter(b)
-    # Nil by identity, not values.count(None): that compares with ==, and an
-    # ndarray's (routed_experts, pooling_output) is elementwise, with no truth value.
-    for value in values:
-        if value is not None:
-            break
-    else:
-        return lp_parts
+    # All nil, the common case, in one C comparison: a tuple compares its items by
+    # identity first, so only a non-nil value is compared with ``==`` (False, or an
+    # ndarray's elementwise answer, which may have no truth value: then the loop below
+    # decides, by identity).
+    try:
+        if values == nones:
+            return lp_parts
+    except Exception:  # the loop below answers
+        pass
     for name, value in zip(fields, values, strict=True):
         if value is not None and not (name in _KEEP_FIRST and getattr(a, name) is not None):
             setattr(a, name, value)

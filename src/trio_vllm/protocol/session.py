@@ -41,15 +41,16 @@ import itertools
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Generic, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeAlias, TypeVar
 
 import msgspec
 
 from .._exceptions import EngineDeadError, ProtocolError
 from .routing import LoadBalancer, StartWave, WaveTracker
+from .structs import EngineCoreDead
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Sequence
 
     from .structs import EngineCoreOutput, EngineCoreOutputs
 
@@ -97,6 +98,10 @@ class RankState(enum.Enum):
     RETIRING = "retiring"  # retire_rank: no new requests, draining
     RETIRED = "retired"  # drained and stopped, or its join failed: exits are expected
     LOST = "lost"  # died while the client kept running (on_engine_death="continue")
+
+
+_LOST: Final = RankState.LOST
+_DEAD: Final = EngineCoreDead()  # what the codec returns for ENGINE_CORE_DEAD (a singleton)
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,42 +328,63 @@ class _OutputRouting(Generic[S, C]):
         return exactly ``[QueueRaw(outputs)]`` (every output a live raw request's, none
         final, nothing else in the message for the client), with its bookkeeping done;
         the shell then queues ``outputs`` itself. False: nothing was changed, call
-        `receive`. Never raises. (ENGINE_CORE_DEAD, ``None`` for `receive`, always
-        goes to `receive`.)
+        `receive`. Never raises. `receive_wholes` is the same for a run of messages.
 
-        One call per message instead of `receive`'s action list and `QueueRaw`
-        (allocations that stay alive in the shell's queue; docs/performance.md, issue
-        25). Anything unusual (a death, an unknown or lost rank, a utility reply, wave
+        Anything unusual (a death, an unknown or lost rank, a utility reply, wave
         fields, a finish, an output of another request) is left to `receive`.
         """
+        return self.receive_wholes((outputs,)) == 1
+
+    def receive_wholes(self, messages: Sequence[object], start: int = 0) -> int:
+        """`receive_whole` over ``messages[start:]`` (decoded messages, the codec's
+        `EngineCoreDead` among them): how many of them, from the first, it takes, with
+        their bookkeeping done (the rank's message count, the scheduler stats). The
+        shell queues those as they are; the message after them, if any, goes to
+        `receive`. Never raises.
+
+        One call per receive batch instead of `receive`'s action list and `QueueRaw` per
+        message (allocations that stay alive in the shell's queue), and the checks that
+        only `receive` can change (a death, the raw count, the rank's state) once per
+        run (docs/performance.md, issue 25).
+        """
         requests = self._requests
-        if (
-            self.death is not None
-            or len(requests) != self._raw_live
-            or outputs.utility_output is not None
-        ):
-            return False
-        outs = outputs.outputs
-        if not outs:
-            return False
-        if self._waves is not None and (
-            outputs.wave_complete is not None or outputs.start_wave is not None
-        ):
-            return False
-        index = outputs.engine_index
-        info = self._ranks.get(index)
-        if info is None or not info.served or info.state is RankState.LOST:
-            return False
-        # Raw requests only (each counted while registered): every output theirs and
-        # none final (finishes, once per request, take receive's loop).
-        for output in outs:
-            if output.finish_reason is not None or output.request_id not in requests:
-                return False
-        info.heard += 1
-        stats = outputs.scheduler_stats
-        if stats is not None:
-            self._balancer.update_stats(index, stats.num_waiting_reqs, stats.num_running_reqs)
-        return True
+        if self.death is not None or len(requests) != self._raw_live:
+            return 0
+        waves = self._waves is not None
+        ranks = self._ranks
+        balancer = self._balancer
+        index: int | None = None
+        info: _Rank | None = None
+        n = start
+        end = len(messages)
+        while n < end:
+            outputs: Any = messages[n]  # EngineCoreOutputs, or the codec's EngineCoreDead
+            if outputs is _DEAD or outputs.utility_output is not None:
+                break
+            outs = outputs.outputs
+            if not outs:
+                break
+            if waves and (outputs.wave_complete is not None or outputs.start_wave is not None):
+                break
+            if outputs.engine_index != index or info is None:
+                # Only receive changes a rank's state: checked once per rank and run.
+                index = outputs.engine_index
+                info = ranks.get(index)
+                if info is None or not info.served or info.state is _LOST:
+                    break
+            # Raw requests only (each counted while registered): every output theirs
+            # and none final (finishes, once per request, take receive's loop).
+            for output in outs:
+                if output.finish_reason is not None or output.request_id not in requests:
+                    return n - start
+            info.heard += 1
+            stats = outputs.scheduler_stats
+            if stats is not None:
+                balancer.update_stats(
+                    outputs.engine_index, stats.num_waiting_reqs, stats.num_running_reqs
+                )
+            n += 1
+        return n - start
 
     def receive(self, outputs: EngineCoreOutputs | None) -> list[Action[S, C]]:
         """Route one decoded output message (``None``: ENGINE_CORE_DEAD).
@@ -367,7 +393,13 @@ class _OutputRouting(Generic[S, C]):
         (the shell makes that the client's death). The shell may offer each message
         to `receive_whole` first (the same result, without the action list).
         """
-        if outputs is not None and self.receive_whole(outputs):
+        # receive_wholes' first test inline: with a stream registered (the stream
+        # path's every message) it is no call at all.
+        if (
+            outputs is not None
+            and len(self._requests) == self._raw_live
+            and self.receive_wholes((outputs,))
+        ):
             return [QueueRaw(outputs)]
         if self.death is not None:
             return []
@@ -413,17 +445,24 @@ class _OutputRouting(Generic[S, C]):
                 return actions
         requests = self._requests
         outs = outputs.outputs
-        raw: list[EngineCoreOutput] = []
+        raw: list[EngineCoreOutput] | None = None  # made for a raw output only
         for output in outs:
-            req = requests.get(output.request_id)
-            if req is None or not req.counted:
+            # A subscript, not get(): the per-output step of every stream (a late output,
+            # the exception, is rare; get() is a method call, ~10-20 ns more per output).
+            try:
+                req = requests[output.request_id]
+            except KeyError:
                 continue  # a late output of an aborted or finished request (§3.4)
+            if not req.counted:
+                continue  # finished or aborted, registered until its block is left
             final = output.finish_reason is not None
             if req.handle is not None:
                 actions.append((req.handle, output))  # Deliver
                 if final:
                     actions.extend(self._release(req))
             else:
+                if raw is None:
+                    raw = []
                 raw.append(output)
                 if final:
                     del requests[output.request_id]
@@ -437,6 +476,8 @@ class _OutputRouting(Generic[S, C]):
             )
             and self._raw_interest()
         ):
+            if raw is None:
+                raw = []
             if len(raw) != len(outputs.outputs):
                 outputs = msgspec.structs.replace(outputs, outputs=raw)
             actions.append(QueueRaw(outputs))
