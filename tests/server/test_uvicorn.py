@@ -457,3 +457,31 @@ async def test_access_log_is_each_calls_own(
     assert len(logged) == 2, logged
     assert "call=0" in logged[0]
     assert "call=2" in logged[1]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_call_that_ends_keeps_the_log_filter_of_one_still_serving(
+    anyio_backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Two calls share the uvicorn.error logger: the first to end must not take the
+    # filter (no CancelledError traceback per cancelled request) from the other.
+    caplog.set_level(logging.INFO, "uvicorn.error")
+    app = _App()
+    stop = anyio.Event()
+    sock = _listener()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                partial(serve_app, app, sock=sock, shutdown_trigger=stop.wait,
+                        graceful_timeout=0.3, http_server="uvicorn")
+            )  # fmt: skip
+            async with anyio.create_task_group() as other:
+                await other.start(partial(serve_app, _App(), port=0, http_server="uvicorn"))
+                other.cancel_scope.cancel()  # ends first
+            stream = await _open_stream(sock.getsockname()[1])
+            await app.streaming.wait()
+            stop.set()
+        await _read_to_end(stream)
+    assert app.ended == ["cancelled"]
+    assert "Cancel 1 running task(s)" in caplog.text
+    assert "Exception in ASGI application" not in caplog.text

@@ -85,8 +85,7 @@ async def serve_uvicorn(
     config.trio_vllm_access_log = access_log  # type: ignore[attr-defined]  # our protocol's
     server = _server_class()(config)
     done = False
-    uvicorn_log = logging.getLogger("uvicorn.error")
-    uvicorn_log.addFilter(_drop_cancelled_requests)
+    _filter_uvicorn_log(+1)
     try:
         async with anyio.create_task_group() as tg:
             if shutdown_trigger is not None:
@@ -105,7 +104,22 @@ async def serve_uvicorn(
                 await _close(server, abort=not done)
         finally:
             sock.close()  # after the asyncio server that wraps it
-            uvicorn_log.removeFilter(_drop_cancelled_requests)
+            _filter_uvicorn_log(-1)
+
+
+# Calls serving now: the filter stays on uvicorn.error while any does (one logger for
+# them all; the first to end removed it from the others' logs).
+_serving = 0
+
+
+def _filter_uvicorn_log(change: int) -> None:
+    global _serving
+    _serving += change
+    log = logging.getLogger("uvicorn.error")
+    if _serving:
+        log.addFilter(_drop_cancelled_requests)  # idempotent
+    else:
+        log.removeFilter(_drop_cancelled_requests)
 
 
 def _drop_cancelled_requests(record: logging.LogRecord) -> bool:
