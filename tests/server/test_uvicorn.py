@@ -176,12 +176,14 @@ async def test_usage_errors_exit_2(anyio_backend: str) -> None:
 
 class _App:
     """``/stream`` sends a chunk, then waits for ``release`` (or forever); records how
-    each request ended."""
+    each request ended (a cancelled one after ``unwind`` seconds of cleanup, as a
+    generation's abort on its engine)."""
 
-    def __init__(self) -> None:
+    def __init__(self, unwind: float = 0.0) -> None:
         self.streaming = anyio.Event()
         self.release = anyio.Event()
         self.ended: list[str] = []
+        self.unwind = unwind
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -190,6 +192,9 @@ class _App:
         try:
             await self.release.wait()
         except BaseException:
+            if self.unwind:
+                with anyio.CancelScope(shield=True):
+                    await anyio.sleep(self.unwind)
             self.ended.append("cancelled")
             raise
         self.ended.append("finished")
@@ -286,7 +291,7 @@ async def test_the_graceful_timeout_cancels_and_awaits_what_is_left(
     anyio_backend: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, "uvicorn.error")
-    app = _App()
+    app = _App(unwind=0.5)  # a cleanup that takes a while: the call waits for it
     stop = anyio.Event()
     sock = _listener()
     with anyio.fail_after(10):
@@ -309,7 +314,7 @@ async def test_the_graceful_timeout_cancels_and_awaits_what_is_left(
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_cancelling_the_call_closes_everything_at_once(anyio_backend: str) -> None:
-    app = _App()
+    app = _App(unwind=0.5)  # a cleanup that takes a while: the call waits for it
     sock = _listener()
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
