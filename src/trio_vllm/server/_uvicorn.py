@@ -1,7 +1,7 @@
 """The app on uvicorn (httptools' parser), for asyncio: ``serve_app(http_server="uvicorn")``.
 
 uvicorn is what ``vllm serve`` runs on; ``trio-vllm serve --backend asyncio`` serves with
-it on uvloop. Three things differ from ``uvicorn.Server.serve``'s defaults, all so that it
+it on uvloop. What differs from ``uvicorn.Server.serve``'s defaults, all so that it
 behaves as this package's other HTTP servers do:
 
 * signals: ``Server.serve`` replaces the SIGINT/SIGTERM handlers with its own
