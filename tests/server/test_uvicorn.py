@@ -176,12 +176,14 @@ async def test_usage_errors_exit_2(anyio_backend: str) -> None:
 
 class _App:
     """``/stream`` sends a chunk, then waits for ``release`` (or forever); records how
-    each request ended."""
+    each request ended (a cancelled one after ``unwind`` seconds of cleanup, as a
+    generation's abort on its engine)."""
 
-    def __init__(self) -> None:
+    def __init__(self, unwind: float = 0.0) -> None:
         self.streaming = anyio.Event()
         self.release = anyio.Event()
         self.ended: list[str] = []
+        self.unwind = unwind
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -190,6 +192,9 @@ class _App:
         try:
             await self.release.wait()
         except BaseException:
+            if self.unwind:
+                with anyio.CancelScope(shield=True):
+                    await anyio.sleep(self.unwind)
             self.ended.append("cancelled")
             raise
         self.ended.append("finished")
@@ -286,7 +291,7 @@ async def test_the_graceful_timeout_cancels_and_awaits_what_is_left(
     anyio_backend: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, "uvicorn.error")
-    app = _App()
+    app = _App(unwind=0.5)  # a cleanup that takes a while: the call waits for it
     stop = anyio.Event()
     sock = _listener()
     with anyio.fail_after(10):
@@ -309,7 +314,7 @@ async def test_the_graceful_timeout_cancels_and_awaits_what_is_left(
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_cancelling_the_call_closes_everything_at_once(anyio_backend: str) -> None:
-    app = _App()
+    app = _App(unwind=0.5)  # a cleanup that takes a while: the call waits for it
     sock = _listener()
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
@@ -342,3 +347,146 @@ async def test_uvicorn_leaves_the_signal_handlers_alone(anyio_backend: str) -> N
             during = {sig: signal.getsignal(sig) for sig in before}
             stop.set()
     assert during == before
+
+
+def _server_side_sockets(port: int) -> int:
+    """How many sockets of this process have local port ``port`` (the listener, the
+    server's end of each connection; not the clients' ends). /proc/net/tcp: a socket
+    no descriptor holds any more (closed, the kernel still sending) has inode 0."""
+    count = 0
+    with open("/proc/net/tcp") as table:
+        for line in table.readlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] != "0":
+                count += 1
+    return count
+
+
+class _Firehose:
+    """Sends 64 KiB chunks as fast as the client takes them (forever)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        while True:
+            await send({"type": "http.response.body", "body": b"z" * 65536, "more_body": True})
+            self.sent += 1
+
+    async def blocked(self) -> None:
+        """Until a send waits (the socket buffers are full)."""
+        while True:
+            before = self.sent
+            await anyio.sleep(0.2)
+            if before and self.sent == before:
+                return
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_client_that_stopped_reading_is_not_left_connected(anyio_backend: str) -> None:
+    # The graceful timeout cuts the stream; uvicorn closes the transport, which then
+    # waits to flush its buffer to a client that never reads: it must not outlive the call.
+    app = _Firehose()
+    stop = anyio.Event()
+    sock = _listener()
+    port = sock.getsockname()[1]
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                partial(serve_app, app, sock=sock, shutdown_trigger=stop.wait,
+                        graceful_timeout=0.3, http_server="uvicorn")
+            )  # fmt: skip
+            stream = await _open_stream(port)  # and never read
+            await app.blocked()
+            assert _server_side_sockets(port) == 2  # the listener, the connection
+            stop.set()
+        assert _server_side_sockets(port) == 0
+        await _read_to_end(stream)  # and the client sees the end
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_cancellation_during_startup_leaves_nothing_registered(anyio_backend: str) -> None:
+    # Cancelled after 0..3 scheduler passes: inside uvicorn's startup for the first ones
+    # (asyncio's create_server starts serving, then awaits). A listener lost there stayed
+    # registered with the loop after its socket closed, and the next socket given that
+    # descriptor number (the next server's listener here) was never polled: a hang.
+    for passes in range(4):
+        sock = _listener()
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(serve_app, _App(), sock=sock, http_server="uvicorn"))
+                for _ in range(passes):
+                    await anyio.lowlevel.checkpoint()
+                tg.cancel_scope.cancel()
+        assert sock.fileno() == -1
+        app = _App()
+        app.release.set()
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                port = await tg.start(partial(serve_app, app, port=0, http_server="uvicorn"))
+                status, _, body = await raw_request(port, "GET", "/stream")
+                assert (status, body) == (200, b"xy")
+                tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_shutdown_asked_before_startup_ends_at_once(anyio_backend: str) -> None:
+    stop = anyio.Event()
+    stop.set()
+    sock = _listener()
+    with anyio.fail_after(5):
+        await serve_app(_App(), sock=sock, shutdown_trigger=stop.wait, http_server="uvicorn")
+    assert sock.fileno() == -1
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_access_log_is_each_calls_own(
+    anyio_backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # uvicorn's Config(access_log=False) clears the uvicorn.access logger for the whole
+    # process: a later access_log=True call logged nothing.
+    caplog.set_level(logging.INFO, "uvicorn.access")
+    for number, access_log in enumerate((True, False, True)):
+        app = _App()
+        app.release.set()
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                port = await tg.start(
+                    partial(serve_app, app, port=0, access_log=access_log,
+                            http_server="uvicorn")
+                )  # fmt: skip
+                await raw_request(port, "GET", f"/stream?call={number}")
+                tg.cancel_scope.cancel()
+    logged = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
+    assert len(logged) == 2, logged
+    assert "call=0" in logged[0]
+    assert "call=2" in logged[1]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_call_that_ends_keeps_the_log_filter_of_one_still_serving(
+    anyio_backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Two calls share the uvicorn.error logger: the first to end must not take the
+    # filter (no CancelledError traceback per cancelled request) from the other.
+    caplog.set_level(logging.INFO, "uvicorn.error")
+    app = _App()
+    stop = anyio.Event()
+    sock = _listener()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                partial(serve_app, app, sock=sock, shutdown_trigger=stop.wait,
+                        graceful_timeout=0.3, http_server="uvicorn")
+            )  # fmt: skip
+            async with anyio.create_task_group() as other:
+                await other.start(partial(serve_app, _App(), port=0, http_server="uvicorn"))
+                other.cancel_scope.cancel()  # ends first
+            stream = await _open_stream(sock.getsockname()[1])
+            await app.streaming.wait()
+            stop.set()
+        await _read_to_end(stream)
+    assert app.ended == ["cancelled"]
+    assert "Cancel 1 running task(s)" in caplog.text
+    assert "Exception in ASGI application" not in caplog.text

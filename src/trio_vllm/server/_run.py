@@ -28,8 +28,8 @@ __all__ = ["run_openai_server"]
 
 logger = logging.getLogger("trio_vllm.server")
 
-# Seconds hypercorn's drain outlasts the app's shutdown grace: time for the error events
-# of the requests the app ends at the grace to reach their clients.
+# Seconds the HTTP server's drain outlasts the app's shutdown grace: time for the error
+# events of the requests the app ends at the grace to reach their clients.
 _DRAIN_MARGIN = 5.0
 
 
@@ -201,7 +201,7 @@ async def run_openai_server(
                         port=port,
                         shutdown_trigger=shutdown.wait,
                         # The app ends what outlives the grace itself (an error event
-                        # and [DONE]); hypercorn's own cut comes only after that.
+                        # and [DONE]); the HTTP server's own cut comes only after that.
                         graceful_timeout=shutdown_grace + _DRAIN_MARGIN,
                         access_log=access_log,
                         http_server=http_server,
@@ -223,7 +223,7 @@ async def run_openai_server(
                     _freeze_startup_heap()
                 logger.info("serving %s on http://%s:%d", app.model_names[0], host, app.port)
                 task_status.started(app)
-                await served.wait()  # hypercorn returned: drained (or cancelled), closed
+                await served.wait()  # the HTTP server returned: drained (or cancelled), closed
                 tg.cancel_scope.cancel()
         outer.cancel_scope.cancel()
     return exit_code
