@@ -3,7 +3,8 @@
 * ``TRIO_VLLM_TEST_HIDE=torch,...``: importing these modules fails as if they were not
   installed (engine processes inherit the variable, so it applies to them too).
 * ``TRIO_VLLM_TEST_BLOCK_IMPORT=MODULE:MARKER``: the first import of MODULE creates the
-  file MARKER and sleeps, so a test can deliver Ctrl-C in the middle of start-up imports.
+  file MARKER and sleeps, so a test can deliver Ctrl-C in the middle of start-up imports
+  (in the process the test started only: the variable is not inherited by its children).
 * ``TRIO_VLLM_TEST_HOLD_SPAWN=MARKER``: the first ``subprocess.Popen`` of a reference
   engine, once the child runs, creates MARKER and waits (inside ``Popen()``) until the
   test removes it, so a test can deliver Ctrl-C before ``Popen()`` returns.
@@ -14,7 +15,10 @@ import sys
 import time
 
 _hidden = {m for m in os.environ.get("TRIO_VLLM_TEST_HIDE", "").split(",") if m}
-_block, _, _marker = os.environ.get("TRIO_VLLM_TEST_BLOCK_IMPORT", "").partition(":")
+# Popped: only the process a test started blocks; an engine it spawns would inherit the
+# variable, and one that reached the import first made the marker and slept 60 s with
+# the command's stderr open after the command itself had exited 130.
+_block, _, _marker = os.environ.pop("TRIO_VLLM_TEST_BLOCK_IMPORT", "").partition(":")
 
 
 class _Hooks:
