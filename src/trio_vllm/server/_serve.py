@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
@@ -110,7 +110,8 @@ async def serve_app(
         )
     if sock is None:
         sock = _listen(host, port, backlog)
-    bound_port = sock.getsockname()[1]
+    sock_name = sock.getsockname()
+    bound_port = sock_name[1]
     if on_trio and http_server != "hypercorn":
         from ._h11 import serve_h11
 
@@ -146,11 +147,94 @@ async def serve_app(
     config.accesslog = logging.getLogger("hypercorn.access") if access_log else None
     config.errorlog = logging.getLogger("hypercorn.error")
     task_status.started(bound_port)
-    if on_trio:
-        from hypercorn.trio import serve as trio_serve
+    await _serve_hypercorn(
+        app,
+        config,
+        sock_name,
+        on_trio=on_trio,
+        shutdown_trigger=shutdown_trigger,
+        graceful_timeout=graceful_timeout,
+    )
 
-        await trio_serve(app, config, shutdown_trigger=shutdown_trigger)
-    else:
-        from hypercorn.asyncio import serve as asyncio_serve
 
-        await asyncio_serve(app, config, shutdown_trigger=shutdown_trigger)
+# Seconds past graceful_timeout (from the trigger) before the connections hypercorn
+# still holds are shut down under it.
+_HYPERCORN_MARGIN = 0.5
+
+
+async def _serve_hypercorn(
+    app: Callable[..., Awaitable[None]],
+    config: Any,
+    sock_name: Any,
+    *,
+    on_trio: bool,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None,
+    graceful_timeout: float,
+) -> None:
+    """hypercorn's worker, bounded: a connection whose client stopped reading holds up
+    both of hypercorn's workers past their graceful timeout (the trio worker's send is
+    shielded, so even a cancellation waits on it; the asyncio worker waits, after
+    cancelling, for its writer to flush, forever). ``graceful_timeout`` + a margin after
+    the trigger (at once when this call is cancelled) the connections of this listener
+    still open are shut down (``shutdown(2)``, the descriptor left to hypercorn): their
+    sends fail, hypercorn's requests end (cancelled ones are awaited by hypercorn) and it
+    closes them."""
+    triggered = anyio.Event()
+
+    async def trigger() -> None:
+        if shutdown_trigger is None:
+            await anyio.sleep_forever()
+        else:
+            await shutdown_trigger()
+        triggered.set()
+
+    async def bound() -> None:
+        try:
+            await triggered.wait()
+            await anyio.sleep(graceful_timeout + _HYPERCORN_MARGIN)
+            while True:
+                _shut_connections(sock_name)
+                await anyio.sleep(0.5)
+        finally:
+            _shut_connections(sock_name)  # cancelled: this call's cancellation, or done
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(bound)
+        if on_trio:
+            from hypercorn.trio import serve as trio_serve
+
+            await trio_serve(app, config, shutdown_trigger=trigger)
+        else:
+            from hypercorn.asyncio import serve as asyncio_serve
+
+            await asyncio_serve(app, config, shutdown_trigger=trigger)
+        tg.cancel_scope.cancel()
+
+
+def _shut_connections(sock_name: Any) -> None:
+    """``shutdown(SHUT_RDWR)`` every connected socket of this process whose local
+    address is ``sock_name`` (the listener's: the connections it accepted). The
+    descriptors stay their owner's (no close under an event loop). Linux (/proc)."""
+    import os
+    import stat
+
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in fds:
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            conn = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if conn.getsockname() == sock_name and conn.type == socket.SOCK_STREAM:
+                conn.getpeername()  # the listener has none (OSError)
+                conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            conn.detach()
