@@ -180,35 +180,56 @@ async def _serve_hypercorn(
     sends fail, hypercorn's requests end (cancelled ones are awaited by hypercorn) and it
     closes them."""
     triggered = anyio.Event()
+    stop = anyio.Event()  # this call was cancelled
 
     async def trigger() -> None:
-        if shutdown_trigger is None:
-            await anyio.sleep_forever()
-        else:
-            await shutdown_trigger()
+        async with anyio.create_task_group() as either:
+
+            async def asked() -> None:
+                if shutdown_trigger is None:
+                    await anyio.sleep_forever()
+                else:
+                    await shutdown_trigger()
+                either.cancel_scope.cancel()
+
+            either.start_soon(asked)
+            await stop.wait()
+            either.cancel_scope.cancel()
         triggered.set()
 
     async def bound() -> None:
+        await triggered.wait()
+        await anyio.sleep(config.graceful_timeout + _HYPERCORN_MARGIN)
+        while True:
+            _shut_connections(sock_name)
+            await anyio.sleep(0.5)
+
+    async def on_cancel() -> None:
         try:
-            await triggered.wait()
-            await anyio.sleep(graceful_timeout + _HYPERCORN_MARGIN)
-            while True:
-                _shut_connections(sock_name)
-                await anyio.sleep(0.5)
-        finally:
-            _shut_connections(sock_name)  # cancelled: this call's cancellation, or done
+            await anyio.sleep_forever()
+        finally:  # this call cancelled (or serving over): a shutdown with no grace
+            config.graceful_timeout = 0
+            stop.set()
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(bound)
-        if on_trio:
-            from hypercorn.trio import serve as trio_serve
+    if on_trio:
+        from hypercorn.trio import serve as trio_serve
 
-            await trio_serve(app, config, shutdown_trigger=trigger)
-        else:
-            from hypercorn.asyncio import serve as asyncio_serve
+        serve: Callable[..., Awaitable[None]] = trio_serve
+    else:
+        from hypercorn.asyncio import serve as asyncio_serve
 
-            await asyncio_serve(app, config, shutdown_trigger=trigger)
-        tg.cancel_scope.cancel()
+        serve = asyncio_serve
+    async with anyio.create_task_group() as outer:
+        outer.start_soon(on_cancel)
+        # Shielded: this call's cancellation is turned into a shutdown with no grace
+        # (on asyncio, the worker's cleanup cancelled would leave its requests running,
+        # unowned; on trio its send is shielded anyway).
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(bound)
+                await serve(app, config, shutdown_trigger=trigger)
+                tg.cancel_scope.cancel()
+        outer.cancel_scope.cancel()
 
 
 def _shut_connections(sock_name: Any) -> None:
