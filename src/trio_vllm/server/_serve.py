@@ -88,10 +88,13 @@ async def serve_app(
     otherwise). ``task_status.started(port)`` reports the bound port (useful with
     ``port=0``) once the socket listens. When ``shutdown_trigger`` returns, the server
     stops accepting, lets running requests finish for ``graceful_timeout`` seconds, then
-    cancels them (a cancelled generation request aborts on its engine). Cancelling this call closes
-    everything at once. ``sock``: a listening socket to serve instead of binding
-    ``host:port`` (one that several server processes share, ``--api-server-count``);
-    it is adopted (closed when serving ends).
+    cancels them (a cancelled generation request aborts on its engine), and returns with
+    no connection left open (on hypercorn, whose shutdown a client that stopped reading
+    holds forever, the connections still open ``graceful_timeout`` + 0.5 s after the
+    trigger are shut down). Cancelling this call closes everything at once (on hypercorn:
+    a shutdown with no grace, its cancelled requests awaited). ``sock``: a listening
+    socket to serve instead of binding ``host:port`` (one that several server processes
+    share, ``--api-server-count``); it is adopted (closed when serving ends).
     """
     if http_server not in HTTP_SERVERS:
         raise ValueError(f"http_server must be one of {HTTP_SERVERS}, got {http_server!r}")
@@ -232,9 +235,17 @@ async def _serve_hypercorn(
         outer.cancel_scope.cancel()
 
 
+def _accepted_by(name: Any, sock_name: Any) -> bool:
+    """Whether local address ``name`` is one a listener bound to ``sock_name`` accepts on
+    (its port; its address, or any when it listens on every address)."""
+    if not isinstance(name, tuple) or name[1] != sock_name[1]:
+        return False
+    return bool(name[0] == sock_name[0] or sock_name[0] in ("0.0.0.0", "::"))
+
+
 def _shut_connections(sock_name: Any) -> None:
-    """``shutdown(SHUT_RDWR)`` every connected socket of this process whose local
-    address is ``sock_name`` (the listener's: the connections it accepted). The
+    """``shutdown(SHUT_RDWR)`` every connected socket of this process on the listener's
+    local address ``sock_name`` (the connections it accepted). The
     descriptors stay their owner's (no close under an event loop). Linux (/proc)."""
     import os
     import stat
@@ -252,7 +263,8 @@ def _shut_connections(sock_name: Any) -> None:
         except OSError:
             continue
         try:
-            if conn.getsockname() == sock_name and conn.type == socket.SOCK_STREAM:
+            name = conn.getsockname()
+            if conn.type == socket.SOCK_STREAM and _accepted_by(name, sock_name):
                 conn.getpeername()  # the listener has none (OSError)
                 conn.shutdown(socket.SHUT_RDWR)
         except OSError:
