@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
@@ -88,10 +88,13 @@ async def serve_app(
     otherwise). ``task_status.started(port)`` reports the bound port (useful with
     ``port=0``) once the socket listens. When ``shutdown_trigger`` returns, the server
     stops accepting, lets running requests finish for ``graceful_timeout`` seconds, then
-    cancels them (a cancelled generation request aborts on its engine). Cancelling this call closes
-    everything at once. ``sock``: a listening socket to serve instead of binding
-    ``host:port`` (one that several server processes share, ``--api-server-count``);
-    it is adopted (closed when serving ends).
+    cancels them (a cancelled generation request aborts on its engine), and returns with
+    no connection left open (on hypercorn, whose shutdown a client that stopped reading
+    holds forever, the connections still open ``graceful_timeout`` + 0.5 s after the
+    trigger are shut down). Cancelling this call closes everything at once (on hypercorn:
+    a shutdown with no grace, its cancelled requests awaited). ``sock``: a listening
+    socket to serve instead of binding ``host:port`` (one that several server processes
+    share, ``--api-server-count``); it is adopted (closed when serving ends).
     """
     if http_server not in HTTP_SERVERS:
         raise ValueError(f"http_server must be one of {HTTP_SERVERS}, got {http_server!r}")
@@ -110,7 +113,8 @@ async def serve_app(
         )
     if sock is None:
         sock = _listen(host, port, backlog)
-    bound_port = sock.getsockname()[1]
+    sock_name = sock.getsockname()
+    bound_port = sock_name[1]
     if on_trio and http_server != "hypercorn":
         from ._h11 import serve_h11
 
@@ -146,11 +150,124 @@ async def serve_app(
     config.accesslog = logging.getLogger("hypercorn.access") if access_log else None
     config.errorlog = logging.getLogger("hypercorn.error")
     task_status.started(bound_port)
+    await _serve_hypercorn(
+        app,
+        config,
+        sock_name,
+        on_trio=on_trio,
+        shutdown_trigger=shutdown_trigger,
+        graceful_timeout=graceful_timeout,
+    )
+
+
+# Seconds past graceful_timeout (from the trigger) before the connections hypercorn
+# still holds are shut down under it.
+_HYPERCORN_MARGIN = 0.5
+
+
+async def _serve_hypercorn(
+    app: Callable[..., Awaitable[None]],
+    config: Any,
+    sock_name: Any,
+    *,
+    on_trio: bool,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None,
+    graceful_timeout: float,
+) -> None:
+    """hypercorn's worker, bounded: a connection whose client stopped reading holds up
+    both of hypercorn's workers past their graceful timeout (the trio worker's send is
+    shielded, so even a cancellation waits on it; the asyncio worker waits, after
+    cancelling, for its writer to flush, forever). ``graceful_timeout`` + a margin after
+    the trigger (at once when this call is cancelled) the connections of this listener
+    still open are shut down (``shutdown(2)``, the descriptor left to hypercorn): their
+    sends fail, hypercorn's requests end (cancelled ones are awaited by hypercorn) and it
+    closes them."""
+    triggered = anyio.Event()
+    stop = anyio.Event()  # this call was cancelled
+
+    async def trigger() -> None:
+        async with anyio.create_task_group() as either:
+
+            async def asked() -> None:
+                if shutdown_trigger is None:
+                    await anyio.sleep_forever()
+                else:
+                    await shutdown_trigger()
+                either.cancel_scope.cancel()
+
+            either.start_soon(asked)
+            await stop.wait()
+            either.cancel_scope.cancel()
+        triggered.set()
+
+    async def bound() -> None:
+        await triggered.wait()
+        await anyio.sleep(config.graceful_timeout + _HYPERCORN_MARGIN)
+        while True:
+            _shut_connections(sock_name)
+            await anyio.sleep(0.5)
+
+    async def on_cancel() -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:  # this call cancelled (or serving over): a shutdown with no grace
+            config.graceful_timeout = 0
+            stop.set()
+
     if on_trio:
         from hypercorn.trio import serve as trio_serve
 
-        await trio_serve(app, config, shutdown_trigger=shutdown_trigger)
+        serve: Callable[..., Awaitable[None]] = trio_serve
     else:
         from hypercorn.asyncio import serve as asyncio_serve
 
-        await asyncio_serve(app, config, shutdown_trigger=shutdown_trigger)
+        serve = asyncio_serve
+    async with anyio.create_task_group() as outer:
+        outer.start_soon(on_cancel)
+        # Shielded: this call's cancellation is turned into a shutdown with no grace
+        # (on asyncio, the worker's cleanup cancelled would leave its requests running,
+        # unowned; on trio its send is shielded anyway).
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(bound)
+                await serve(app, config, shutdown_trigger=trigger)
+                tg.cancel_scope.cancel()
+        outer.cancel_scope.cancel()
+
+
+def _accepted_by(name: Any, sock_name: Any) -> bool:
+    """Whether local address ``name`` is one a listener bound to ``sock_name`` accepts on
+    (its port; its address, or any when it listens on every address)."""
+    if not isinstance(name, tuple) or name[1] != sock_name[1]:
+        return False
+    return bool(name[0] == sock_name[0] or sock_name[0] in ("0.0.0.0", "::"))
+
+
+def _shut_connections(sock_name: Any) -> None:
+    """``shutdown(SHUT_RDWR)`` every connected socket of this process on the listener's
+    local address ``sock_name`` (the connections it accepted). The
+    descriptors stay their owner's (no close under an event loop). Linux (/proc)."""
+    import os
+    import stat
+
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in fds:
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            conn = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            name = conn.getsockname()
+            if conn.type == socket.SOCK_STREAM and _accepted_by(name, sock_name):
+                conn.getpeername()  # the listener has none (OSError)
+                conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            conn.detach()
