@@ -10,14 +10,19 @@ before the call returns), the call returns, and no socket of the connection is l
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
 import anyio
 import pytest
 
 from trio_vllm.server import serve_app
 
-from .test_uvicorn import _listener, _open_stream, _read_to_end, _server_side_sockets
+from .test_uvicorn import (
+    _Firehose,
+    _listener,
+    _open_stream,
+    _read_to_end,
+    _server_side_sockets,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -27,36 +32,6 @@ SERVERS = [
     ("asyncio", "hypercorn"),
     ("asyncio", "uvicorn"),
 ]
-
-
-class _Firehose:
-    """Sends 64 KiB chunks as fast as the client takes them (forever); a cancelled
-    request cleans up for ``unwind`` seconds (shielded) and records it."""
-
-    def __init__(self, unwind: float = 0.5) -> None:
-        self.sent = 0
-        self.unwind = unwind
-        self.ended: list[str] = []
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        try:
-            while True:
-                await send({"type": "http.response.body", "body": b"z" * 65536, "more_body": True})
-                self.sent += 1
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await anyio.sleep(self.unwind)
-            self.ended.append("cancelled")
-            raise
-
-    async def blocked(self) -> None:
-        """Until a send waits (the socket buffers are full)."""
-        while True:
-            before = self.sent
-            await anyio.sleep(0.2)
-            if before and self.sent == before:
-                return
 
 
 @pytest.mark.parametrize(("anyio_backend", "http_server"), SERVERS)

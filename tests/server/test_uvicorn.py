@@ -363,16 +363,25 @@ def _server_side_sockets(port: int) -> int:
 
 
 class _Firehose:
-    """Sends 64 KiB chunks as fast as the client takes them (forever)."""
+    """Sends 64 KiB chunks as fast as the client takes them (forever); a cancelled
+    request cleans up for ``unwind`` seconds (shielded) and records it."""
 
-    def __init__(self) -> None:
+    def __init__(self, unwind: float = 0.5) -> None:
         self.sent = 0
+        self.unwind = unwind
+        self.ended: list[str] = []
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
-        while True:
-            await send({"type": "http.response.body", "body": b"z" * 65536, "more_body": True})
-            self.sent += 1
+        try:
+            while True:
+                await send({"type": "http.response.body", "body": b"z" * 65536, "more_body": True})
+                self.sent += 1
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(self.unwind)
+            self.ended.append("cancelled")
+            raise
 
     async def blocked(self) -> None:
         """Until a send waits (the socket buffers are full)."""
@@ -387,7 +396,7 @@ class _Firehose:
 async def test_a_client_that_stopped_reading_is_not_left_connected(anyio_backend: str) -> None:
     # The graceful timeout cuts the stream; uvicorn closes the transport, which then
     # waits to flush its buffer to a client that never reads: it must not outlive the call.
-    app = _Firehose()
+    app = _Firehose(unwind=0)
     stop = anyio.Event()
     sock = _listener()
     port = sock.getsockname()[1]

@@ -735,25 +735,17 @@ class _Timing:
             o = outs[0].outputs[0]
             if o.finish_reason is not None:
                 self.reason = o.finish_reason
-            if not o.token_ids:
-                return
-            now = time.perf_counter()
-            if self.first:
-                self.first = False
-                self.metrics.first_token(now - self.received)
-            else:
-                self.metrics.inter_token(now - self.last)
-            self.last = now
-            return
-        with_tokens = 0
-        for out in outs:
-            for o in out.outputs:
-                if o.token_ids:
-                    with_tokens += 1
-                    break
-            for o in out.outputs:
-                if o.finish_reason is not None:
-                    self.reason = o.finish_reason
+            with_tokens = 1 if o.token_ids else 0
+        else:
+            with_tokens = 0
+            for out in outs:
+                for o in out.outputs:
+                    if o.token_ids:
+                        with_tokens += 1
+                        break
+                for o in out.outputs:
+                    if o.finish_reason is not None:
+                        self.reason = o.finish_reason
         if not with_tokens:
             return
         now = time.perf_counter()

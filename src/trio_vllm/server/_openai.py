@@ -762,6 +762,17 @@ class _Responder:
     def on_output(self, prompt_idx: int, res: RequestOutput) -> bytes:
         raise NotImplementedError
 
+    def _fast_event(self, out: CompletionOutput, fast: tuple[bytes, bytes]) -> bytes:
+        """The templated event of the one choice's not-last output (`_fast`); what the
+        subclasses' general template case sends for it."""
+        choice = self.choices[0]
+        if not (out.text or out.token_ids or choice.num_tokens):
+            return b""
+        choice.num_tokens += len(out.token_ids)
+        choice.finish_reason = None
+        choice.stop_reason = out.stop_reason
+        return fast[0] + encode(out.text) + fast[1]
+
     def _keep_prompt_logprobs(self, prompt_idx: int, res: RequestOutput) -> None:
         if res.prompt_logprobs:
             child = res.outputs[0].index if res.outputs else 0
@@ -813,13 +824,7 @@ class CompletionResponder(_Responder):
             # The general path's template case below, for the one choice, inlined.
             out = res.outputs[0]
             if out.finish_reason is None and out.index == 0:
-                choice = self.choices[0]
-                if not (out.text or out.token_ids or choice.num_tokens):
-                    return b""
-                choice.num_tokens += len(out.token_ids)
-                choice.finish_reason = None
-                choice.stop_reason = out.stop_reason
-                return fast[0] + encode(out.text) + fast[1]
+                return self._fast_event(out, fast)
         plan = self.plan
         events: list[bytes] = []
         if plan.prompt_logprobs is not None and not plan.stream:
@@ -992,13 +997,7 @@ class ChatResponder(_Responder):
             # The general path's template case below, for the one choice, inlined.
             out = res.outputs[0]
             if out.finish_reason is None and out.index == 0 and not self._finished[0]:
-                choice = self.choices[0]
-                if not (out.text or out.token_ids or choice.num_tokens):
-                    return b""
-                choice.num_tokens += len(out.token_ids)
-                choice.finish_reason = None
-                choice.stop_reason = out.stop_reason
-                return fast[0] + encode(out.text) + fast[1]
+                return self._fast_event(out, fast)
         plan = self.plan
         events: list[bytes] = []
         if plan.prompt_logprobs is not None and not plan.stream:
