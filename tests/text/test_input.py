@@ -16,6 +16,7 @@ from trio_vllm.text import (
     Tokenizer,
     TokensPrompt,
     internal_request_id,
+    random_hex,
     random_uuid,
 )
 
@@ -201,3 +202,35 @@ def test_ids_below_the_model_vocabulary_are_accepted(tmp_path: Path) -> None:
     assert inp.tokenize_prompt([15]) == (None, [15])  # vLLM: max(max_token_id, vocab - 1)
     with pytest.raises(InvalidRequestError, match="Token id 16 is out of vocabulary"):
         inp.tokenize_prompt([16])
+
+
+def test_random_hex_never_repeats_across_threads_or_a_fork() -> None:
+    import os
+    import threading
+
+    got: list[list[str]] = [[] for _ in range(8)]
+
+    def take(out: list[str]) -> None:
+        for _ in range(3000):  # several 4 KiB refills per thread
+            out.append(random_hex(16))
+
+    threads = [threading.Thread(target=take, args=(out,)) for out in got]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    ids = [i for out in got for i in out]
+    assert len(ids) == 24000
+    assert len(set(ids)) == len(ids)
+    assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids[:100])
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child's next id must not be the parent's next one
+        os.write(w, random_hex(16).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    with os.fdopen(r) as f:
+        child = f.read()
+    assert child != random_hex(16)
+    assert len(child) == 32

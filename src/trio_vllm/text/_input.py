@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -58,26 +59,30 @@ _RANDOM_CHUNK: Final = 4096
 class _RandomBytes:
     """``os.urandom`` bytes, taken 4 KiB at a time: one system call per few hundred
     request ids instead of one (in ``uuid.uuid4``) per id. A forked child starts
-    afresh, so that parent and child never hand out the same bytes."""
+    afresh, so that parent and child never hand out the same bytes. Locked: frontends
+    in several threads (SyncLLM) must not take the same bytes either."""
 
-    __slots__ = ("buf", "pos")
+    __slots__ = ("buf", "lock", "pos")
 
     def __init__(self) -> None:
         self.buf = b""
         self.pos = 0
+        self.lock = threading.Lock()
 
     def reset(self) -> None:
         self.buf = b""
         self.pos = 0
+        self.lock = threading.Lock()  # a forked child's copy may be held by a dead thread
 
     def hex(self, nbytes: int) -> str:
-        pos = self.pos
-        end = pos + nbytes
-        if end > len(self.buf):
-            self.buf = os.urandom(max(_RANDOM_CHUNK, nbytes))
-            pos, end = 0, nbytes
-        self.pos = end
-        return self.buf[pos:end].hex()
+        with self.lock:
+            pos = self.pos
+            end = pos + nbytes
+            if end > len(self.buf):
+                self.buf = os.urandom(max(_RANDOM_CHUNK, nbytes))
+                pos, end = 0, nbytes
+            self.pos = end
+            return self.buf[pos:end].hex()
 
 
 _RANDOM = _RandomBytes()
