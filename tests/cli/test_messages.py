@@ -227,6 +227,41 @@ def test_ctrl_c_during_start_up_imports_exits_130_quietly(
     assert "KeyboardInterrupt" not in err, err
 
 
+def test_the_import_block_ends_at_a_sigint_another_thread_took(tmp_path: Path) -> None:
+    """The ``_site`` hook's blocked import gives way to a Ctrl-C even when the signal's C
+    handler ran in a thread other than the sleeping main thread (so the sleep's syscall
+    was never interrupted; the same state as a SIGINT landing just before the sleep
+    starts). The hook used to sleep 60 s in one call and so exit 130 only after the
+    callers' communicate(timeout=60) had expired: the flake of the tests above."""
+    marker = tmp_path / "importing"
+    code = (
+        "import os, signal, sys, threading, time\n"
+        "def interrupt():\n"
+        "    while not os.path.exists(sys.argv[1]):\n"
+        "        time.sleep(0.01)\n"
+        "    signal.pthread_kill(threading.get_ident(), signal.SIGINT)\n"
+        "threading.Thread(target=interrupt, daemon=True).start()\n"
+        "try:\n"
+        "    import colorsys\n"
+        "except KeyboardInterrupt:\n"
+        "    sys.exit(130)\n"
+    )
+    env = _env(TRIO_VLLM_TEST_BLOCK_IMPORT=f"colorsys:{marker}")
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(marker)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+        env=env,
+    )
+    assert marker.exists(), result.stderr  # the import was blocked, then interrupted
+    assert result.returncode == 130, result.stderr
+    # The hook sleeps 60 s; well under it means the interrupt, not the sleep, ended it.
+    assert time.monotonic() - start < 30
+
+
 # What pip writes into the ``trio-vllm`` console script, less the argv[0] fix-up.
 CONSOLE_SCRIPT = [
     sys.executable, "-c", "import re, sys\nfrom trio_vllm.cli import main\nsys.exit(main())"

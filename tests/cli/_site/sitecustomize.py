@@ -30,7 +30,17 @@ class _Hooks:
             _block = ""
             with open(_marker, "w"):
                 pass
-            time.sleep(60)
+            # In slices, not one sleep(60): Python runs a SIGINT's handler (raises
+            # KeyboardInterrupt) in the main thread between bytecodes, and one long sleep
+            # is cut short only when the signal interrupts that very syscall. A SIGINT
+            # taken by another thread (numpy's OpenBLAS workers exist once numpy is
+            # imported), or one that lands after the last check and before the sleep
+            # starts (a loaded machine preempting the process there), left the sleep to
+            # run out: the command exited 130 only 60 s later, after the test's
+            # communicate(timeout=60) had given up.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                time.sleep(0.02)
         return None
 
 
