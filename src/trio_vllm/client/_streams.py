@@ -190,6 +190,7 @@ class RequestStream(Mailbox[EngineCoreOutput]):
         self._received_final = False  # the receive task saw the finishing output
         self._done = False  # iteration is over (final output consumed, or aborted)
         self._lp_parts: list[Any] | None = None  # logprob rows merged into _pending[-1]
+        self._listener: Callable[[EngineCoreOutput], bool] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -205,12 +206,35 @@ class RequestStream(Mailbox[EngineCoreOutput]):
     # -- producer side (the client's receive task; synchronous, never blocks) ------
     # Called by the client only, never by application code.
 
+    def set_listener(self, listener: Callable[[EngineCoreOutput], bool] | None) -> None:
+        """Offer outputs to ``listener`` before queueing them (``None``: stop).
+
+        For frontends that handle an engine step's output without waking their task
+        (``trio-vllm serve``'s streamed responses): while the consumer is parked in
+        a receive with nothing buffered, and the output is not the final one, the
+        receive task calls ``listener(output)`` synchronously. ``True``: the listener
+        took it; nothing is queued and the consumer stays parked. ``False``: it is
+        queued and the consumer woken, as without a listener. On trio only (elsewhere a
+        cancelled consumer cannot be told from a parked one, so every output is
+        queued). The listener runs inside the client's receive task: it must not
+        block, and must not raise (that would end the receive task).
+        """
+        self._listener = listener
+
     def deliver(self, output: EngineCoreOutput) -> None:
         """Queue (or coalesce) one output of this request; late ones are dropped."""
         if self._received_final or self.aborted:
             return  # late output after finish/abort: ignore (docs/protocol.md §3.4)
         pending = self._pending
         if not pending:
+            listener = self._listener
+            if (
+                listener is not None
+                and output.finish_reason is None
+                and self._wakeup.parked()
+                and listener(output)
+            ):
+                return
             pending.append(output)
             if output.finish_reason is not None:
                 self._received_final = True
