@@ -92,11 +92,14 @@ async def test_a_handlers_exception_is_raised_from_the_wait(
         if calls == 3:
             raise ValueError("the handler's own bug")
 
-    with pytest.raises(ValueError, match="the handler's own bug"):
+    async def consume() -> None:
         async with llm.generate("ab", delta(max_tokens=LONG)) as stream:
             assert stream.set_direct(handler)
             while await stream.next_batch():
                 pass
+
+    with pytest.raises(ValueError, match="the handler's own bug"):
+        await consume()
     assert calls == 3
     # The client's receive task lived on, and leaving the block aborted the request.
     assert not reference_engines.client.dead

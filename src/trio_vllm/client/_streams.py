@@ -28,9 +28,29 @@ from ._mailbox import YIELD_INTERVAL, Mailbox
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["YIELD_INTERVAL", "RequestStream", "coalesce_outputs"]
+__all__ = ["LISTEN_INTERVAL", "YIELD_INTERVAL", "ListenBudget", "RequestStream", "coalesce_outputs"]
 
 _monotonic: Final = time.monotonic  # bound once: read on every buffered output
+
+# How long the receive task may run listeners (`RequestStream.set_listener`) after it
+# last yielded; later outputs are queued and their consumers woken, so a receive batch
+# that piled up behind a busy frontend does not hold every other task (new requests'
+# handling) for the whole batch's work.
+LISTEN_INTERVAL: Final = 0.001
+
+
+class ListenBudget:
+    """Until when (``time.monotonic``) the receive task may run listeners: set by the
+    receive loop each time it comes back from waiting, read by every stream's
+    `RequestStream.deliver`."""
+
+    __slots__ = ("until",)
+
+    def __init__(self, until: float = 0.0) -> None:
+        self.until = until
+
+
+_UNBOUNDED: Final = ListenBudget(float("inf"))  # a stream made without a receive loop
 
 # Fields merged specially; all others keep the newest non-nil value, except the ones in
 # _KEEP_FIRST, which only a request's first output carries.
@@ -177,7 +197,14 @@ class RequestStream(Mailbox[EngineCoreOutput]):
             lagged more than ``max_pending`` steps.
     """
 
-    def __init__(self, request_id: str, rank: int, *, max_pending: int = 64) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        rank: int,
+        *,
+        max_pending: int = 64,
+        budget: ListenBudget = _UNBOUNDED,
+    ) -> None:
         if max_pending < 1:
             raise ValueError("max_pending must be at least 1")
         super().__init__()
@@ -191,6 +218,7 @@ class RequestStream(Mailbox[EngineCoreOutput]):
         self._done = False  # iteration is over (final output consumed, or aborted)
         self._lp_parts: list[Any] | None = None  # logprob rows merged into _pending[-1]
         self._listener: Callable[[EngineCoreOutput], bool] | None = None
+        self._budget = budget
 
     def __repr__(self) -> str:
         return (
@@ -212,7 +240,8 @@ class RequestStream(Mailbox[EngineCoreOutput]):
         For frontends that handle an engine step's output without waking their task
         (``trio-vllm serve``'s streamed responses): while the consumer is parked in
         a receive with nothing buffered, and the output is not the final one, the
-        receive task calls ``listener(output)`` synchronously. ``True``: the listener
+        receive task calls ``listener(output)`` synchronously (for at most
+        `LISTEN_INTERVAL` of each run of the receive task). ``True``: the listener
         took it; nothing is queued and the consumer stays parked. ``False``: it is
         queued and the consumer woken, as without a listener. On trio only (elsewhere a
         cancelled consumer cannot be told from a parked one, so every output is
@@ -232,6 +261,7 @@ class RequestStream(Mailbox[EngineCoreOutput]):
                 listener is not None
                 and output.finish_reason is None
                 and self._wakeup.parked()
+                and _monotonic() < self._budget.until
                 and listener(output)
             ):
                 return
