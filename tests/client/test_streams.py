@@ -8,11 +8,12 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
+from anyio import wait_all_tasks_blocked
 
 from trio_vllm import EngineDeadError
 from trio_vllm.client import make_request, new_request_id, prepare_sampling_params
 from trio_vllm.client._mailbox import Mailbox
-from trio_vllm.client._streams import RequestStream, coalesce_outputs
+from trio_vllm.client._streams import ListenBudget, RequestStream, coalesce_outputs
 from trio_vllm.protocol.structs import (
     EngineCoreEvent,
     EngineCoreOutput,
@@ -598,3 +599,89 @@ async def test_receive_batch_parked_when_the_engine_dies() -> None:
         assert [out.new_token_ids for out in await final.receive_batch()] == [[3], [4]]
         with pytest.raises(anyio.EndOfStream):
             await final.receive_batch()
+
+
+# -- set_listener: outputs taken in the producer's call, while the consumer is parked ----
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_a_listener_takes_outputs_only_while_the_consumer_is_parked(
+    anyio_backend: str,
+) -> None:
+    budget = ListenBudget(float("inf"))
+    stream = RequestStream("r", 0, budget=budget)
+    taken: list[list[int]] = []
+    stream.set_listener(lambda out: taken.append(out.new_token_ids) or True)
+    stream.deliver(_out([1]))  # nobody parked yet: queued
+    got: list[list[int]] = []
+
+    async def consume() -> None:
+        async for out in stream:
+            got.append(out.new_token_ids)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        await wait_all_tasks_blocked()  # the consumer took [1] and parked
+        stream.deliver(_out([2]))
+        stream.deliver(_out([3]))
+        assert taken == [[2], [3]]
+        budget.until = 0.0  # the receive task's time for listeners is up: queued
+        stream.deliver(_out([4]))
+        stream.deliver(_out([5]))  # the consumer was woken: not parked now
+        await wait_all_tasks_blocked()
+        budget.until = float("inf")
+        stream.deliver(_out([6]))  # parked again
+        stream.deliver(_out([7], FinishReason.LENGTH))  # never the final output
+    assert taken == [[2], [3], [6]]
+    assert got == [[1], [4], [5], [7]]
+    assert stream.finish_reason == FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_a_listener_that_declines_leaves_the_output_queued(anyio_backend: str) -> None:
+    stream = RequestStream("r", 0)
+    stream.set_listener(lambda out: False)
+    got: list[list[int]] = []
+
+    async def consume() -> None:
+        async for out in stream:
+            got.append(out.new_token_ids)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        await wait_all_tasks_blocked()
+        stream.deliver(_out([1]))
+        await wait_all_tasks_blocked()
+        stream.set_listener(None)
+        stream.deliver(_out([2], FinishReason.STOP))
+    assert got == [[1], [2]]
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_a_cancelled_consumer_is_not_parked(anyio_backend: str) -> None:
+    stream = RequestStream("r", 0)
+    taken: list[list[int]] = []
+    stream.set_listener(lambda out: taken.append(out.new_token_ids) or True)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stream.receive)
+        await wait_all_tasks_blocked()
+        tg.cancel_scope.cancel()  # the consumer is rescheduled with Cancelled...
+        stream.deliver(_out([1]))  # ...so this waits for the next receive
+    assert taken == []
+    assert stream.receive_nowait().new_token_ids == [1]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_on_asyncio_a_listener_is_never_called(anyio_backend: str) -> None:
+    stream = RequestStream("r", 0)
+    stream.set_listener(lambda out: pytest.fail("called") or True)
+    got: list[list[int]] = []
+
+    async def consume() -> None:
+        got.append((await stream.receive()).new_token_ids)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        await wait_all_tasks_blocked()
+        stream.deliver(_out([1]))
+    assert got == [[1]]

@@ -521,7 +521,12 @@ class EngineCoreClient(NamedUtilities):
         self._owner.check("generate")
         _args.check_max_pending(max_pending)
         request_id, target, frames = self._prepare(request, rank)
-        stream = RequestStream(request_id, target, max_pending=max_pending or self._stream_buffer)
+        stream = RequestStream(
+            request_id,
+            target,
+            max_pending=max_pending or self._stream_buffer,
+            budget=self._receiver.budget,
+        )
         self._session.start_request(request_id, target, stream)
         sent = False
         try:

@@ -46,6 +46,8 @@ _monotonic: Final = time.monotonic  # bound once: read on every buffered receive
 class _Wakeup(Protocol):
     def set(self) -> None: ...
 
+    def parked(self) -> bool: ...
+
     def abort(self, _raise_cancel: object) -> object: ...
 
     def park(self, abort: Callable[[object], object]) -> Awaitable[object]: ...
@@ -58,6 +60,9 @@ class _Nobody:
 
     def set(self) -> None:
         pass
+
+    def parked(self) -> bool:
+        return False
 
     def abort(self, _raise_cancel: object) -> object:  # pragma: no cover (never parked)
         raise AssertionError("nobody is parked on a mailbox's first wake-up")
@@ -93,6 +98,11 @@ class _TrioWakeup:
             more, self._more = self._more, []
             for task in more:
                 self._lowlevel.reschedule(task)
+
+    def parked(self) -> bool:
+        """The first waiter is parked and neither woken nor cancelled yet: it will not
+        run before something wakes it (`RequestStream`'s listener relies on this)."""
+        return self._task is not None
 
     def abort(self, _raise_cancel: object) -> object:
         """trio's abort callback of the first waiter's park."""
@@ -139,6 +149,11 @@ class _AnyioWakeup:
 
     def set(self) -> None:
         self._event.set()
+
+    def parked(self) -> bool:
+        # An asyncio task whose wait was cancelled still looks parked until it runs:
+        # never claimed, so outputs are always queued here.
+        return False
 
     def abort(self, _raise_cancel: object) -> object:  # pragma: no cover (trio's only)
         raise AssertionError("an anyio wake-up has no abort callback")

@@ -11,6 +11,7 @@ Its tasks end on close or death and never raise.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
@@ -24,6 +25,7 @@ from ..protocol.liveness import hang_message
 from ..protocol.session import QueueRaw, RankState
 from ..protocol.structs import EngineCoreDead
 from ._startup import _bytes
+from ._streams import LISTEN_INTERVAL, ListenBudget
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -72,6 +74,7 @@ _STREAM_BATCH_MESSAGES: Final = 1024
 _DEAD: Final = EngineCoreDead()  # what the codec decodes ENGINE_CORE_DEAD to (a singleton)
 
 logger = logging.getLogger("trio_vllm.client")
+_monotonic: Final = time.monotonic
 
 
 class Receiver:
@@ -106,6 +109,7 @@ class Receiver:
         self._receiving = False
         self._scope: anyio.CancelScope | None = None
         self._raw_batch = False  # the last receive batch queued raw outputs
+        self.budget = ListenBudget()  # the streams' listeners' time, per receive batch
 
     def die(self, message: str, cause: BaseException | None = None) -> None:
         self._apply(self._session.rank_died(None, message, cause))
@@ -122,6 +126,7 @@ class Receiver:
         """Receive task for the output socket; ends on close or death, never raises."""
         socket = self._sockets.output
         session = self._session
+        budget = self.budget
         self._receiving = True
         try:
             while not session.dead:
@@ -140,6 +145,7 @@ class Receiver:
                         else:
                             limit, count = _STREAM_BATCH_BYTES, _STREAM_BATCH_MESSAGES
                         batch = await socket.receive_batch(count, max_bytes=limit)
+                        budget.until = _monotonic() + LISTEN_INTERVAL
                         if self._raw_batch:
                             raw_batch = self._handle_raw(batch)
                         else:

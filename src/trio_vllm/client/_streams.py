@@ -28,9 +28,29 @@ from ._mailbox import YIELD_INTERVAL, Mailbox
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["YIELD_INTERVAL", "RequestStream", "coalesce_outputs"]
+__all__ = ["LISTEN_INTERVAL", "YIELD_INTERVAL", "ListenBudget", "RequestStream", "coalesce_outputs"]
 
 _monotonic: Final = time.monotonic  # bound once: read on every buffered output
+
+# How long the receive task may run listeners (`RequestStream.set_listener`) after it
+# last yielded; later outputs are queued and their consumers woken, so a receive batch
+# that piled up behind a busy frontend does not hold every other task (new requests'
+# handling) for the whole batch's work.
+LISTEN_INTERVAL: Final = 0.001
+
+
+class ListenBudget:
+    """Until when (``time.monotonic``) the receive task may run listeners: set by the
+    receive loop each time it comes back from waiting, read by every stream's
+    `RequestStream.deliver`."""
+
+    __slots__ = ("until",)
+
+    def __init__(self, until: float = 0.0) -> None:
+        self.until = until
+
+
+_UNBOUNDED: Final = ListenBudget(float("inf"))  # a stream made without a receive loop
 
 # Fields merged specially; all others keep the newest non-nil value, except the ones in
 # _KEEP_FIRST, which only a request's first output carries.
@@ -177,7 +197,14 @@ class RequestStream(Mailbox[EngineCoreOutput]):
             lagged more than ``max_pending`` steps.
     """
 
-    def __init__(self, request_id: str, rank: int, *, max_pending: int = 64) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        rank: int,
+        *,
+        max_pending: int = 64,
+        budget: ListenBudget = _UNBOUNDED,
+    ) -> None:
         if max_pending < 1:
             raise ValueError("max_pending must be at least 1")
         super().__init__()
@@ -190,6 +217,8 @@ class RequestStream(Mailbox[EngineCoreOutput]):
         self._received_final = False  # the receive task saw the finishing output
         self._done = False  # iteration is over (final output consumed, or aborted)
         self._lp_parts: list[Any] | None = None  # logprob rows merged into _pending[-1]
+        self._listener: Callable[[EngineCoreOutput], bool] | None = None
+        self._budget = budget
 
     def __repr__(self) -> str:
         return (
@@ -205,12 +234,37 @@ class RequestStream(Mailbox[EngineCoreOutput]):
     # -- producer side (the client's receive task; synchronous, never blocks) ------
     # Called by the client only, never by application code.
 
+    def set_listener(self, listener: Callable[[EngineCoreOutput], bool] | None) -> None:
+        """Offer outputs to ``listener`` before queueing them (``None``: stop).
+
+        For frontends that handle an engine step's output without waking their task
+        (``trio-vllm serve``'s streamed responses): while the consumer is parked in
+        a receive with nothing buffered, and the output is not the final one, the
+        receive task calls ``listener(output)`` synchronously (for at most
+        `LISTEN_INTERVAL` of each run of the receive task). ``True``: the listener
+        took it; nothing is queued and the consumer stays parked. ``False``: it is
+        queued and the consumer woken, as without a listener. On trio only (elsewhere a
+        cancelled consumer cannot be told from a parked one, so every output is
+        queued). The listener runs inside the client's receive task: it must not
+        block, and must not raise (that would end the receive task).
+        """
+        self._listener = listener
+
     def deliver(self, output: EngineCoreOutput) -> None:
         """Queue (or coalesce) one output of this request; late ones are dropped."""
         if self._received_final or self.aborted:
             return  # late output after finish/abort: ignore (docs/protocol.md §3.4)
         pending = self._pending
         if not pending:
+            listener = self._listener
+            if (
+                listener is not None
+                and output.finish_reason is None
+                and self._wakeup.parked()
+                and _monotonic() < self._budget.until
+                and listener(output)
+            ):
+                return
             pending.append(output)
             if output.finish_reason is not None:
                 self._received_final = True

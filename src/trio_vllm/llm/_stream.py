@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from ..client import EngineCoreClient, RequestStream
     from ..protocol import EngineCoreOutput, EngineCoreRequest
-    from ..text import OutputProcessor, ProcessedRequest, RequestOutput
+    from ..text import OutputProcessor, OutputProcessorOutput, ProcessedRequest, RequestOutput
 
 __all__ = ["RequestOutputStream"]
 
@@ -115,6 +115,12 @@ class RequestOutputStream:
         self._send: MemoryObjectSendStream[tuple[str, Any]] | None = None
         self._receive: MemoryObjectReceiveStream[tuple[str, Any]] | None = None
         self._live = len(self._children)  # children whose outputs may still come
+        self._handler: Callable[[list[RequestOutput]], None] | None = None
+        # The output the direct path took from the client stream but handed back to
+        # the consumer (it finished the request, or processing or the handler raised):
+        # (output, its processing's result, the exception), for _fill to finish.
+        self._early: tuple[EngineCoreOutput, OutputProcessorOutput | None, Exception | None] | None
+        self._early = None
 
     def __repr__(self) -> str:
         return (
@@ -199,6 +205,7 @@ class RequestOutputStream:
         if self._closed:
             return
         self._closed = True
+        self._set_listener(None)
         try:
             group = self._task_group
             if group is not None:
@@ -294,10 +301,18 @@ class RequestOutputStream:
                     # (llm.abort, client.abort_requests).
                     self.client_aborted([self._children[0].request_id])
                 else:
-                    batch = [output]
-                    if output.finish_reason is None:
-                        _drain(stream, batch)
-                    await self._process(batch)
+                    early = self._early
+                    if early is not None and early[0] is output:
+                        self._early = None  # processed by _direct already
+                        if early[2] is not None:
+                            raise early[2]
+                        assert early[1] is not None
+                        await self._apply_result(early[1], [output])
+                    else:
+                        batch = [output]
+                        if output.finish_reason is None:
+                            _drain(stream, batch)
+                        await self._process(batch)
             else:
                 # Never EndOfStream: this stream keeps its own sender open until closed.
                 # A pump ends by itself only after sending an _END or _ERROR item; one
@@ -323,7 +338,11 @@ class RequestOutputStream:
         return out
 
     async def _process(self, outputs: list[EngineCoreOutput]) -> None:
-        result = self._processor.process_outputs(outputs)
+        await self._apply_result(self._processor.process_outputs(outputs), outputs)
+
+    async def _apply_result(
+        self, result: OutputProcessorOutput, outputs: list[EngineCoreOutput]
+    ) -> None:
         if result.request_outputs:
             self._pending.extend(result.request_outputs)
         to_abort = result.reqs_to_abort
@@ -338,6 +357,60 @@ class RequestOutputStream:
             child = self._by_id.get(request_id)
             if child is not None:
                 await child.exit()
+
+    # -- the direct path: outputs handled in the receive task (servers) ----------------
+
+    def set_direct(self, handler: Callable[[list[RequestOutput]], None] | None) -> bool:
+        """Hand the stream's outputs to ``handler`` from the client's receive task, while
+        the caller waits in `next_batch` (or ``__anext__``) with nothing pending;
+        ``None`` stops it. Returns whether the stream can (one engine request, entered
+        and not closed; on trio: elsewhere every output still goes to the caller).
+
+        For a server that writes each engine step's outputs to its client without
+        waking its request's task (``trio-vllm serve`` on its h11 server): the
+        handler gets what `next_batch` would have returned, synchronously, in the
+        order the engine made it, and must not block. Never the output that finishes
+        the request (a final one from the engine, or one a stop string ended): that,
+        and everything after a handler's exception, reaches the caller's wait as
+        usual, the exception raised from it (the outputs the handler was given are
+        then lost). Cancelling the caller's wait (from the handler too, to get the
+        caller's attention) consumes nothing, as any cancelled wait.
+        """
+        if self._receive is not None or self._closed or self._children[0].stream is None:
+            return False
+        self._handler = handler
+        self._set_listener(None if handler is None else self._direct)
+        return True
+
+    def _set_listener(self, listener: Callable[[EngineCoreOutput], bool] | None) -> None:
+        if len(self._children) == 1:
+            stream = self._children[0].stream
+            if stream is not None:
+                stream.set_listener(listener)
+
+    def _direct(self, output: EngineCoreOutput) -> bool:
+        """The client stream's listener (in the receive task; the caller is parked in
+        `_fill` with nothing pending): process ``output`` and hand the result to the
+        handler; ``False`` hands ``output`` to the caller, processed (`_early`)."""
+        handler = self._handler
+        if handler is None or self._pending or self.finished:
+            return False
+        try:
+            result = self._processor.process_outputs((output,))
+        except Exception as exc:
+            self._early = (output, None, exc)
+            return False
+        outs = result.request_outputs
+        if result.reqs_to_abort or (outs and outs[-1].finished):
+            self._early = (output, result, None)  # the caller aborts and finishes
+            return False
+        if outs:
+            try:
+                handler(outs)
+            except Exception as exc:
+                self._early = (output, None, exc)
+                return False
+        return True
 
     async def collect(self) -> RequestOutput | None:
         """Consume the rest of the stream; the last output (``None`` if there was none)."""

@@ -6,6 +6,11 @@ one (`WATCH_DISCONNECT`: our h11 server), else a watcher task beside the request
 waiting for the client's ``http.disconnect``; a disconnect cancels the scope, and leaving the
 frontend's ``generate`` block aborts the request on the engine at once. Nothing here
 starts a task that outlives the request that started it.
+
+A streamed response's token events are written from the client's receive task where
+the HTTP server can write without waiting (`SEND_NOWAIT`: our h11 server) and the
+frontend's stream can hand its outputs over (`_Direct`): the request's task then wakes
+for its first output, its last, and a client that stopped reading, not once per token.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from .._version import __version__
 from . import _embeddings
 from ._decode import RequestKind, check_json, decode_request, decode_struct
 from ._http import (
+    SEND_NOWAIT,
     WATCH_DISCONNECT,
     ASGIReceive,
     ASGISend,
@@ -93,6 +99,7 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
 ]
 _SSE_START = {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS}
+_FLUSH = {"type": "http.response.body", "body": b"", "more_body": True}
 _NOT_FOUND = b'{"detail":"Not Found"}'
 _NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
 _UNAUTHORIZED = b'{"error":"Unauthorized"}'
@@ -468,6 +475,8 @@ class OpenAIServer:
         except HTTPError as exc:
             await send_error(send, exc)
             return exc.status
+        extensions = scope.get("extensions")
+        nowait = extensions.get(SEND_NOWAIT) if extensions and plan.stream else None
         key = self._next
         self._next += 1
         entry = self._open[key] = _Open(kind, plan.request_id, received)
@@ -478,7 +487,7 @@ class OpenAIServer:
                 scope,
                 receive,
                 outcome,
-                lambda: self._run_in_grace(entry, kind, plan, send, received, outcome),
+                lambda: self._run_in_grace(entry, kind, plan, send, received, outcome, nowait),
             )
             return outcome.status  # 0 after a disconnect: nobody to answer
         finally:
@@ -562,13 +571,14 @@ class OpenAIServer:
         send: ASGISend,
         received: float,
         outcome: _Outcome,
+        nowait: Callable[[bytes], bool] | None,
     ) -> None:
         """`_run` within the shutdown grace: past `begin_shutdown`'s deadline the
         generation is cancelled (its requests aborted) and the client told so, instead
         of the connection being cut when the HTTP server's own drain ends."""
         with anyio.CancelScope(deadline=self._shutdown_deadline) as grace:
             entry.grace = grace
-            await self._run(kind, plan, send, received, outcome)
+            await self._run(kind, plan, send, received, outcome, nowait)
         if grace.cancelled_caught and not outcome.complete:
             logger.warning(
                 "%s request %s outlived the shutdown grace period (%g s): ended with %s",
@@ -580,9 +590,17 @@ class OpenAIServer:
             await _send_failure(send, _shutdown_error(self._shutdown_grace), outcome)
 
     async def _run(
-        self, kind: str, plan: GenerationPlan, send: ASGISend, received: float, outcome: _Outcome
+        self,
+        kind: str,
+        plan: GenerationPlan,
+        send: ASGISend,
+        received: float,
+        outcome: _Outcome,
+        nowait: Callable[[bytes], bool] | None = None,
     ) -> None:
-        """Generate and answer; ``outcome`` is marked complete before the last send."""
+        """Generate and answer; ``outcome`` is marked complete before the last send.
+        With ``nowait`` (streaming on the h11 server) the token events go out from the
+        receive task once the first is out (`_Direct`)."""
         tokenizer = self.llm.tokenizer
         responder: CompletionResponder | ChatResponder = (
             CompletionResponder(plan, tokenizer, self.fingerprint)
@@ -603,7 +621,18 @@ class OpenAIServer:
                     # pass through hypercorn's send path and the socket), one SSE event
                     # per output as the engine made them.
                     merge = self.merge_outputs
-                    while outs := await stream.next_batch(merge=merge):
+                    direct = None if nowait is None else _Direct(stream, nowait, timing, responder)
+                    while True:
+                        if direct is None or not direct.armed:
+                            outs = await stream.next_batch(merge=merge)
+                        else:
+                            got = await direct.next_batch(merge)
+                            if got is None:  # the socket took only part of an event
+                                await send(_FLUSH)
+                                continue
+                            outs = got
+                        if not outs:
+                            break
                         timing.outputs(outs)
                         events = responder.on_outputs(0, outs)
                         if outs[-1].finished:
@@ -613,6 +642,8 @@ class OpenAIServer:
                             await send(
                                 {"type": "http.response.body", "body": events, "more_body": True}
                             )
+                            if direct is not None and not direct.armed:
+                                direct.arm()  # the head is out: the rest can go directly
             else:
                 await self._run_batch(plan, responder, timing, send, outcome)
         except (HTTPError, InvalidRequestError, EngineDeadError, GenerationError) as exc:
@@ -683,6 +714,58 @@ class OpenAIServer:
                         pumps.start_soon(pump, idx)
             except BaseExceptionGroup as group:
                 raise _first_error(group) from None
+
+
+class _Direct:
+    """A streamed response's token events written from the client's receive task.
+
+    Once armed (after the response head went out with the first events), the stream
+    hands each engine step's outputs to `__call__`, which times them, makes their
+    events and writes them with the h11 server's ``send_nowait``, while the request's
+    task stays parked in `next_batch`. That task still takes the final output (and
+    what a stop string ended, and errors) as without this. Where the socket did not
+    take an event whole, `__call__` cancels that wait (which consumes nothing), and
+    the task writes the rest with a waiting send before it waits again."""
+
+    __slots__ = ("armed", "nowait", "responder", "scope", "stream", "timing")
+
+    def __init__(
+        self,
+        stream: OutputStreamLike,
+        nowait: Callable[[bytes], bool],
+        timing: _Timing,
+        responder: CompletionResponder | ChatResponder,
+    ) -> None:
+        self.stream = stream
+        self.nowait = nowait
+        self.timing = timing
+        self.responder = responder
+        self.scope: anyio.CancelScope | None = None
+        self.armed = False
+
+    def arm(self) -> None:
+        set_direct: Callable[[Callable[[list[RequestOutput]], None]], bool] | None = getattr(
+            self.stream, "set_direct", None
+        )
+        self.armed = set_direct is not None and set_direct(self)
+
+    def __call__(self, outs: list[RequestOutput]) -> None:
+        self.timing.outputs(outs)
+        events = self.responder.on_outputs(0, outs)
+        if events and not self.nowait(events):
+            scope = self.scope
+            if scope is not None:
+                scope.cancel()
+
+    async def next_batch(self, merge: bool) -> list[RequestOutput] | None:
+        """The stream's `next_batch`; ``None`` if `__call__` needs a waiting send."""
+        with anyio.CancelScope() as scope:
+            self.scope = scope
+            try:
+                return await self.stream.next_batch(merge=merge)
+            finally:
+                self.scope = None
+        return None
 
 
 class _Outcome:

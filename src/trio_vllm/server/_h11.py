@@ -47,7 +47,7 @@ import h11
 import trio
 from trio.lowlevel import wait_readable, wait_writable
 
-from ._http import WATCH_DISCONNECT
+from ._http import SEND_NOWAIT, WATCH_DISCONNECT
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -183,6 +183,8 @@ class _Connection:
         self.broken = False  # a send failed or the peer went away
         self.linger = False  # closing while the client may still be sending
         self.reader_scope: trio.CancelScope | None = None  # receive() waiting on recv
+        # Bytes of a response that send_nowait could not write: they go out first.
+        self.backlog = b""
         try:
             client: tuple[str, int] | None = sock.getpeername()[:2]
         except OSError:
@@ -224,10 +226,16 @@ class _Connection:
     # -------------------------------------------------------------- writing
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        """Write everything, or mark the connection broken (no exception: the app
-        learns of a gone client from ``receive()``, as with hypercorn)."""
+        """Write the backlog, then everything, or mark the connection broken (no
+        exception: the app learns of a gone client from ``receive()``, as with
+        hypercorn). Cancelled, nothing of ``data`` is written unless the connection
+        is broken (a part of the backlog may be, the rest stays)."""
         if self.broken:
             return
+        backlog = self.backlog
+        if backlog:
+            self.backlog = b""
+            data = backlog + data
         sock = self.sock
         try:
             # Written at once if the kernel takes it all (the common case): no
@@ -243,7 +251,10 @@ class _Connection:
                     try:
                         await wait_writable(sock)
                     except trio.Cancelled:
-                        if len(view) < len(data):
+                        out = len(data) - len(view)
+                        if out < len(backlog):
+                            self.backlog = bytes(view[: len(backlog) - out])
+                        elif out > len(backlog):
                             # Part of a message is out: the connection's next bytes
                             # would no longer frame; it can only be closed.
                             self.broken = True
@@ -251,13 +262,38 @@ class _Connection:
                     with contextlib.suppress(BlockingIOError):
                         view = view[sock.send(view) :]
         except OSError:
-            self.broken = True
-            scope = self.reader_scope
-            if scope is not None:  # the app's watcher: the client is gone
-                scope.cancel()
-            disconnects = self.server.disconnects
-            if disconnects is not None:  # or the app's WATCH_DISCONNECT callback
-                disconnects.gone(self.sock.fileno())
+            self.gone()
+
+    def send_nowait(self, data: bytes) -> bool:
+        """Write ``data`` now if the socket takes it all; else keep the rest as the
+        backlog (`send_all` writes it first) and return ``False``. Never waits."""
+        if self.broken:
+            return True
+        if self.backlog:
+            self.backlog += data
+            return False
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self.gone()
+            return True
+        if sent < len(data):
+            self.backlog = data[sent:]
+            return False
+        return True
+
+    def gone(self) -> None:
+        """A send failed: the client went away."""
+        self.broken = True
+        self.backlog = b""
+        scope = self.reader_scope
+        if scope is not None:  # the app's watcher: the client is gone
+            scope.cancel()
+        disconnects = self.server.disconnects
+        if disconnects is not None:  # or the app's WATCH_DISCONNECT callback
+            disconnects.gone(self.sock.fileno())
 
     # -------------------------------------------------------------- serving
 
@@ -431,9 +467,9 @@ class _Exchange:
             "headers": list(request.headers),
             "client": conn.client,
             "server": conn.local,
-            "extensions": {}
+            "extensions": {SEND_NOWAIT: self.send_nowait}
             if conn.server.disconnects is None
-            else {WATCH_DISCONNECT: self.watch_disconnect},
+            else {WATCH_DISCONNECT: self.watch_disconnect, SEND_NOWAIT: self.send_nowait},
         }
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -508,67 +544,22 @@ class _Exchange:
 
     async def send(self, message: dict[str, Any]) -> None:
         """``http.response.start`` is kept and goes out with the first body bytes;
-        each ``http.response.body`` is one socket write. A send after the client went
-        away does nothing (the app learns of it from ``receive()``)."""
+        each ``http.response.body`` is one socket write (after what `send_nowait`
+        left: an empty body writes just that). A send after the client went away does
+        nothing (the app learns of it from ``receive()``)."""
         kind = message["type"]
         conn = self.conn
         if kind == "http.response.body":
             body = message.get("body", b"")
             more = message.get("more_body", False)
-            if self.chunked:  # the hot path: an SSE chunk
-                if more and not self.complete:
-                    if body:
-                        await conn.send_all(b"%x\r\n%b\r\n" % (len(body), body))
-                    return
-                if self.complete:
-                    return
-                self.complete = True
-                data = conn.h11.send(_END)
-                await conn.send_all((b"%x\r\n%b\r\n" % (len(body), body) + data) if body else data)
+            if more and self.chunked and not self.complete:  # the hot path: an SSE chunk
+                if body:
+                    await conn.send_all(b"%x\r\n%b\r\n" % (len(body), body))
+                elif conn.backlog:
+                    await conn.send_all(b"")
                 return
-            if self.complete:
-                return
-            h = conn.h11
-            if not self.head_sent:
-                self.head_sent = True
-                headers = self.headers
-                if more and not self.head_only:
-                    if h.their_http_version == b"1.1":
-                        headers.append((b"transfer-encoding", b"chunked"))
-                        self.chunked = True
-                elif not more:
-                    headers.append((b"content-length", str(len(body)).encode()))
-                if self.last or conn.server.closing:
-                    headers.append((b"connection", b"close"))
-                headers.append((b"date", _DATE.get()))
-                headers.append(_SERVER)
-                try:
-                    head = h.send(
-                        h11.Response(
-                            status_code=self.status,
-                            headers=headers,
-                            reason=_REASONS.get(self.status, b""),
-                        )
-                    )
-                except h11.LocalProtocolError:
-                    conn.broken = True
-                    self.complete = True
-                    return
-                assert head is not None
-                if self.chunked:
-                    if body:
-                        head += b"%x\r\n%b\r\n" % (len(body), body)
-                    await conn.send_all(head)
-                    return
-                data = head
-            else:
-                data = b""
-            if body and not self.head_only:
-                data += h.send(h11.Data(data=body)) or b""
-            if not more:
-                self.complete = True
-                data += h.send(_END) or b""
-            if data:
+            data = self._body(body, more)
+            if data or conn.backlog:
                 await conn.send_all(data)
         elif kind == "http.response.start":
             if self.head_sent:
@@ -577,6 +568,63 @@ class _Exchange:
             self.headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", ())]
         else:
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
+
+    def send_nowait(self, body: bytes) -> bool:
+        """The ``SEND_NOWAIT`` extension: `send` of a body with ``more_body``, without
+        waiting (what the socket does not take now is the connection's backlog)."""
+        if self.chunked and not self.complete:  # the hot path, as in send
+            return not body or self.conn.send_nowait(b"%x\r\n%b\r\n" % (len(body), body))
+        data = self._body(body, True)
+        return not data or self.conn.send_nowait(data)
+
+    def _body(self, body: bytes, more: bool) -> bytes:
+        """The bytes an ``http.response.body`` message writes (with the head, if it is
+        the first), and the state it leaves; ``b""`` for none."""
+        conn = self.conn
+        h = conn.h11
+        if self.complete:
+            return b""
+        if self.chunked:  # so the end: the chunks with more_body are send's
+            self.complete = True
+            end = h.send(_END) or b""
+            return (b"%x\r\n%b\r\n" % (len(body), body) + end) if body else end
+        if not self.head_sent:
+            self.head_sent = True
+            headers = self.headers
+            if more and not self.head_only:
+                if h.their_http_version == b"1.1":
+                    headers.append((b"transfer-encoding", b"chunked"))
+                    self.chunked = True
+            elif not more:
+                headers.append((b"content-length", str(len(body)).encode()))
+            if self.last or conn.server.closing:
+                headers.append((b"connection", b"close"))
+            headers.append((b"date", _DATE.get()))
+            headers.append(_SERVER)
+            try:
+                head = h.send(
+                    h11.Response(
+                        status_code=self.status,
+                        headers=headers,
+                        reason=_REASONS.get(self.status, b""),
+                    )
+                )
+            except h11.LocalProtocolError:
+                conn.broken = True
+                self.complete = True
+                return b""
+            assert head is not None
+            if self.chunked:
+                return (head + b"%x\r\n%b\r\n" % (len(body), body)) if body else head
+            data = head
+        else:
+            data = b""
+        if body and not self.head_only:
+            data += h.send(h11.Data(data=body)) or b""
+        if not more:
+            self.complete = True
+            data += h.send(_END) or b""
+        return data
 
 
 async def serve_h11(

@@ -15,6 +15,7 @@ import msgspec
 from ._schemas import ErrorInfo, ErrorResponse
 
 __all__ = [
+    "SEND_NOWAIT",
     "WATCH_DISCONNECT",
     "ASGIReceive",
     "ASGISend",
@@ -37,6 +38,16 @@ ASGISend = Callable[[Message], Awaitable[None]]
 #: before ``stop()`` is called or the exchange ends; the app then need not keep a task
 #: waiting in ``receive()`` for ``http.disconnect``. Other servers do not offer it.
 WATCH_DISCONNECT = "trio_vllm.watch_disconnect"
+
+#: The ASGI scope extension (``scope["extensions"][SEND_NOWAIT]``) of `serve_h11`: a
+#: callable ``send_nowait(body) -> bool``, the synchronous ``send`` of an
+#: ``http.response.body`` with ``more_body`` (after ``http.response.start``), callable
+#: from any task of the server's trio run. It writes ``body`` at once if the socket
+#: takes it all (``True``); otherwise it keeps the rest, which goes out first with the
+#: next ``send`` (``False``: the app should make one, an empty body will do, to wait for
+#: the socket). After the client went away it does nothing (``True``; the disconnect is
+#: reported as for ``send``). Other servers do not offer it.
+SEND_NOWAIT = "trio_vllm.send_nowait"
 
 _JSON = [(b"content-type", b"application/json")]
 _ENCODER = msgspec.json.Encoder()
